@@ -1,0 +1,168 @@
+"""Clusters: ``LocalPSCluster`` on one machine, ``DaskClusterResolver`` for any.
+
+A daskps cluster is an ordinary Dask cluster whose workers carry a resource
+tag: ``ps`` for parameter servers, ``worker`` for trainers. The coordinator is
+the user's own process, holding a ``distributed.Client``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from distributed import Client, Nanny, Scheduler, SpecCluster, Worker
+
+__all__ = ["DaskClusterResolver", "LocalPSCluster"]
+
+LOCALHOST = "127.0.0.1"
+
+
+class LocalPSCluster(SpecCluster):
+    """A Dask cluster of parameter servers and trainers on this machine.
+
+    Every worker runs in its own process under a ``Nanny`` (a killed worker
+    comes back), and every server binds to 127.0.0.1 on a free port.
+
+    Parameters
+    ----------
+    num_ps : int
+        Workers started with resource ``ps=1``, named ``ps-0``, ``ps-1``, ...
+    num_workers : int
+        Workers started with resource ``worker=1``, named ``worker-0``, ...
+    threads_per_worker : int
+        Threads per worker process.
+    processes : bool
+        ``True`` (default) runs each worker in a Nanny-managed process;
+        ``False`` runs them as threads in this process (faster to start, but a
+        worker cannot be killed on its own).
+    memory_limit : str or int, optional
+        Passed to every worker.
+    **kwargs
+        Passed to ``distributed.SpecCluster`` (``silence_logs``, ``name``, ...).
+
+    Examples
+    --------
+    >>> import daskps as dps
+    >>> with dps.LocalPSCluster(num_ps=2, num_workers=2) as cluster:  # doctest: +SKIP
+    ...     strategy = dps.ParameterServerStrategy(cluster.get_client())
+    """
+
+    def __init__(
+        self,
+        num_ps: int = 2,
+        num_workers: int = 2,
+        threads_per_worker: int = 1,
+        processes: bool = True,
+        memory_limit: Any = None,
+        dashboard_address: str = f"{LOCALHOST}:0",
+        **kwargs: Any,
+    ):
+        for arg, value, low in (("num_ps", num_ps, 0), ("num_workers", num_workers, 0), ("threads_per_worker", threads_per_worker, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{arg} must be an int >= {low}, got {value!r}")
+        self.num_ps = num_ps
+        self.num_workers = num_workers
+        cls = Nanny if processes else Worker
+        base: dict[str, Any] = {"nthreads": threads_per_worker, "host": LOCALHOST}
+        if memory_limit is not None:
+            base["memory_limit"] = memory_limit
+        if processes:
+            base["dashboard_address"] = f"{LOCALHOST}:0"
+
+        def spec(resource: str) -> dict[str, Any]:
+            return {"cls": cls, "options": {**base, "resources": {resource: 1}}}
+
+        workers = {f"ps-{i}": spec("ps") for i in range(num_ps)}
+        workers.update({f"worker-{i}": spec("worker") for i in range(num_workers)})
+        scheduler = {
+            "cls": Scheduler,
+            "options": {"host": LOCALHOST, "port": 0, "dashboard_address": dashboard_address},
+        }
+        kwargs.setdefault("silence_logs", "error")
+        super().__init__(workers=workers, scheduler=scheduler, worker=spec("worker"), **kwargs)
+
+    def __repr__(self) -> str:
+        return (
+            f"LocalPSCluster({self.scheduler_address!r}, num_ps={self.num_ps}, "
+            f"num_workers={self.num_workers})"
+        )
+
+
+def _natural_key(text: str) -> list[Any]:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", text)]
+
+
+class DaskClusterResolver:
+    """Finds the parameter servers and trainers of a Dask cluster.
+
+    Workers are told apart by their resources: those with ``ps_resource`` are
+    parameter servers, those with ``worker_resource`` are trainers, each listed
+    in natural order of worker name (``ps-2`` before ``ps-10``).
+
+    Parameters
+    ----------
+    client : distributed.Client
+    ps_resource, worker_resource : str
+        Resource names that tag parameter servers and trainers.
+
+    Examples
+    --------
+    >>> resolver = DaskClusterResolver(client)  # doctest: +SKIP
+    >>> resolver.cluster_spec()                 # doctest: +SKIP
+    {'chief': ['tcp://127.0.0.1:50010'], 'ps': [...], 'worker': [...]}
+    """
+
+    task_type = "chief"
+    task_id = 0
+    rpc_layer = "tcp"
+
+    def __init__(self, client: Client, ps_resource: str = "ps", worker_resource: str = "worker"):
+        if not isinstance(client, Client):
+            raise TypeError(f"client must be a distributed.Client, got {type(client).__name__}")
+        for arg, value in (("ps_resource", ps_resource), ("worker_resource", worker_resource)):
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{arg} must be a non-empty str, got {value!r}")
+        if ps_resource == worker_resource:
+            raise ValueError(f"ps_resource and worker_resource must differ, both are {ps_resource!r}")
+        self.client = client
+        self.ps_resource = ps_resource
+        self.worker_resource = worker_resource
+
+    def _workers(self, resource: str) -> list[tuple[str, str]]:
+        """(name, address) of live workers holding ``resource``, in name order."""
+        info = self.client.scheduler_info(n_workers=-1)["workers"]
+        found = [
+            (str(w.get("name", addr)), addr)
+            for addr, w in info.items()
+            if w.get("resources", {}).get(resource, 0) > 0
+        ]
+        return sorted(found, key=lambda item: (_natural_key(item[0]), item[1]))
+
+    def ps_workers(self) -> list[tuple[str, str]]:
+        return self._workers(self.ps_resource)
+
+    def training_workers(self) -> list[tuple[str, str]]:
+        return self._workers(self.worker_resource)
+
+    def cluster_spec(self) -> dict[str, list[str]]:
+        comm = getattr(self.client.scheduler_comm, "comm", None)
+        chief = getattr(comm, "local_address", None) or f"client:{self.client.id}"
+        return {
+            "chief": [chief],
+            "ps": [addr for _, addr in self.ps_workers()],
+            "worker": [addr for _, addr in self.training_workers()],
+        }
+
+    @property
+    def num_ps(self) -> int:
+        return len(self.ps_workers())
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.training_workers())
+
+    def __repr__(self) -> str:
+        return (
+            f"DaskClusterResolver({self.client.scheduler.address!r}, "
+            f"ps_resource={self.ps_resource!r}, worker_resource={self.worker_resource!r})"
+        )

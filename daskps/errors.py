@@ -1,0 +1,52 @@
+"""Exceptions raised by daskps.
+
+The hierarchy::
+
+    DaskPSError
+    ├── PSUnavailableError      a parameter server cannot be reached
+    ├── CancelledError          a scheduled function was cancelled
+    ├── OutOfRangeError         a per-worker iterator is exhausted
+    └── NotScheduledError       a worker-only API used outside a scheduled function
+
+Bad arguments raise the built-in ``ValueError``, ``TypeError`` or
+``IndexError`` with a message naming the argument; those are not listed here.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CancelledError",
+    "DaskPSError",
+    "NotScheduledError",
+    "OutOfRangeError",
+    "PSUnavailableError",
+]
+
+
+class DaskPSError(Exception):
+    """Base class of every error that daskps itself raises."""
+
+
+class PSUnavailableError(DaskPSError, ConnectionError):
+    """A parameter server could not be reached or has lost its state.
+
+    Raised when the worker holding a parameter-server actor has died or
+    restarted. Variables held by that server are gone; restore them from a
+    checkpoint on a new strategy.
+    """
+
+
+class CancelledError(DaskPSError):
+    """A scheduled function was cancelled before it ran to completion.
+
+    ``ClusterCoordinator`` cancels the functions still pending when an error
+    from another function is raised; reschedule them to run them again.
+    """
+
+
+class OutOfRangeError(DaskPSError):
+    """A per-worker iterator has no more elements."""
+
+
+class NotScheduledError(DaskPSError, RuntimeError):
+    """A worker-side API was used outside a function run by a worker."""
