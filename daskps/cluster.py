@@ -7,6 +7,7 @@ the user's own process, holding a ``distributed.Client``.
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
@@ -68,6 +69,7 @@ class LocalPSCluster(SpecCluster):
             base["memory_limit"] = memory_limit
         if processes:
             base["dashboard_address"] = f"{LOCALHOST}:0"
+            base["silence_logs"] = logging.ERROR
 
         def spec(resource: str) -> dict[str, Any]:
             return {"cls": cls, "options": {**base, "resources": {resource: 1}}}

@@ -11,6 +11,7 @@ that raises leaves the server as it was.
 from __future__ import annotations
 
 import inspect
+from collections import Counter
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -96,6 +97,7 @@ class ParameterServer:
         self._names: dict[str, str] = {}
         self.reads = 0
         self.updates = 0
+        self.calls: Counter[str] = Counter()
         self.started = time.time()
 
     # -- creation -----------------------------------------------------------
@@ -128,6 +130,7 @@ class ParameterServer:
             raise TypeError(f"variable {name!r} must hold numbers, got dtype {arr.dtype}")
         self._values[key] = arr
         self._names[key] = name
+        self.calls["create"] += 1
         return arr.shape, arr.dtype.str
 
     def drop(self, keys: Sequence[str]) -> None:
@@ -151,13 +154,16 @@ class ParameterServer:
         arrays returned here stay a consistent snapshot while they are sent.
         """
         out = [self._get(k) for k in keys]
+        self.calls["read"] += 1
         self.reads += len(out)
         return out
 
     def read_index(self, key: str, index: Any) -> np.ndarray:
         """``value[index]`` computed here, so only the selection travels."""
+        value = self._get(key)
+        self.calls["read_index"] += 1
         self.reads += 1
-        return np.array(self._get(key)[index])
+        return np.array(value[index])
 
     # -- updates ------------------------------------------------------------
     def update(self, updates: Sequence[tuple[str, str, Any]]) -> None:
@@ -166,6 +172,7 @@ class ParameterServer:
         All updates are checked before any is applied.
         """
         checked = [self._check_dense(key, op, value) for key, op, value in updates]
+        self.calls["update"] += 1
         for key, op, value in checked:
             old = self._values[key]
             if op == "assign":
@@ -204,5 +211,6 @@ class ParameterServer:
             "reads": self.reads,
             "updates": self.updates,
             "uptime": time.time() - self.started,
+            "calls": dict(self.calls),
             "variables": {k: (self._names[k], v.shape, v.dtype.str) for k, v in self._values.items()},
         }

@@ -238,10 +238,10 @@ class ParameterServerStrategy(_SingleReplicaStrategy):
     def __init__(self, cluster_resolver: Any = None, variable_partitioner: Any = None):
         super().__init__()
         self._resolver, self._owns_client = _resolve(cluster_resolver)
-        if variable_partitioner is not None and not callable(variable_partitioner):
-            raise TypeError(
-                "variable_partitioner must be callable (shape, dtype) -> list of int, "
-                f"got {type(variable_partitioner).__name__}"
+        if variable_partitioner is not None:
+            raise NotImplementedError(
+                "variable_partitioner is not supported yet: sharded variables are not "
+                "available in this version of daskps; pass variable_partitioner=None"
             )
         self._variable_partitioner = variable_partitioner
         self._client: Client | None = self._resolver.client
@@ -336,10 +336,6 @@ class ParameterServerStrategy(_SingleReplicaStrategy):
         colocate = self._extended._colocate_with.get()
         if colocate is not None:
             return self._create_on(colocate._store.ps, initial_value, trainable, name, dtype, shape)
-        if self._variable_partitioner is not None:
-            from daskps.sharding import create_partitioned
-
-            return create_partitioned(self, initial_value, trainable, name, dtype, shape)
         return self._create_round_robin(initial_value, trainable, name, dtype, shape)
 
     def _next_ps(self) -> PSRef:
@@ -368,7 +364,12 @@ class ParameterServerStrategy(_SingleReplicaStrategy):
         store = _RemoteStore(ps, key, self._client)
         return Variable._from_store(store, name, tuple(real_shape), real_dtype, trainable, self._token)
 
-    # -- coordinator bookkeeping -----------------------------------------------
+    def ps_stats(self) -> list[dict[str, Any]]:
+        """Counters and sizes of every parameter server, one call per server."""
+        from daskps.transport import Call, transport_for
+
+        return transport_for(self._client).call_many([Call(ps, "stats") for ps in self._ps])
+
     def __repr__(self) -> str:
         where = "worker view" if self._client is None else self._client.scheduler.address
         return (

@@ -1,0 +1,199 @@
+"""ClusterCoordinator: scheduling, joining, fetching and the error contract."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import daskps as dps
+from daskps.errors import CancelledError, PSUnavailableError
+
+from .conftest import kill_worker, wait_for_worker
+
+
+def test_one_coordinator_per_strategy(strategy):
+    c1 = dps.ClusterCoordinator(strategy)
+    assert dps.ClusterCoordinator(strategy) is c1
+    assert c1.strategy is strategy
+
+
+def test_coordinator_needs_a_strategy():
+    with pytest.raises(TypeError, match="strategy"):
+        dps.ClusterCoordinator(object())
+
+
+def test_schedule_returns_at_once(coordinator):
+    started = time.perf_counter()
+    remote = coordinator.schedule(time.sleep, args=(1.0,))
+    assert time.perf_counter() - started < 0.9
+    assert isinstance(remote, dps.RemoteValue)
+    assert not coordinator.done()
+    coordinator.join()
+    assert coordinator.done()
+
+
+def test_scheduled_functions_update_ps_variables(strategy, coordinator):
+    with strategy.scope():
+        v = dps.Variable(0.0)
+
+    def step():
+        v.assign_add(1.0)
+        return v.read_value()
+
+    remotes = [coordinator.schedule(step) for _ in range(20)]
+    coordinator.join()
+    assert float(v.numpy()) == 20.0
+    assert sorted(float(r.fetch()) for r in remotes)[-1] == 20.0
+
+
+def test_schedule_runs_on_training_workers_only(strategy, coordinator, client):
+    from distributed import get_worker
+
+    names = coordinator.fetch([coordinator.schedule(lambda: get_worker().name) for _ in range(10)])
+    assert set(names) <= {"worker-0", "worker-1"}
+
+
+def test_fetch_keeps_nested_structure(strategy, coordinator):
+    with strategy.scope():
+        v = dps.Variable([1.0, 2.0])
+    a = coordinator.schedule(lambda: 1)
+    b = coordinator.schedule(lambda: {"x": np.arange(3)})
+    out = coordinator.fetch({"a": [a, (b, "plain")], "v": v, "n": 5})
+    assert out["a"][0] == 1
+    np.testing.assert_array_equal(out["a"][1][0]["x"], np.arange(3))
+    assert out["a"][1][1] == "plain"
+    np.testing.assert_array_equal(out["v"], [1.0, 2.0])
+    assert out["n"] == 5
+    assert a.get() == 1
+
+
+def test_remote_value_argument_is_refused(coordinator):
+    remote = coordinator.schedule(lambda: 1)
+    with pytest.raises(ValueError, match="RemoteValue"):
+        coordinator.schedule(lambda x: x, args=(remote,))
+    with pytest.raises(ValueError, match="RemoteValue"):
+        coordinator.schedule(lambda x: x, kwargs={"x": [remote]})
+    coordinator.join()
+
+
+def test_non_callable_is_refused(coordinator):
+    with pytest.raises(TypeError, match="fn must be callable"):
+        coordinator.schedule(42)
+    with pytest.raises(TypeError, match="args"):
+        coordinator.schedule(print, args=5)
+    with pytest.raises(TypeError, match="kwargs"):
+        coordinator.schedule(print, kwargs=[1])
+
+
+def test_unpicklable_function_is_refused_with_its_name(coordinator):
+    guard = threading.Lock()
+
+    def step():
+        with guard:
+            return 1
+
+    with pytest.raises(TypeError, match="'guard' captured by"):
+        coordinator.schedule(step)
+    with pytest.raises(TypeError, match=r"args.*\[1\]|\[1\]"):
+        coordinator.schedule(lambda a, b: 1, args=(1, threading.Lock()))
+    assert coordinator.done()
+
+
+class Boom(Exception):
+    pass
+
+
+def _fail_after(delay, tag):
+    time.sleep(delay)
+    raise Boom(tag)
+
+
+def test_first_error_is_raised_once_and_pending_functions_cancelled(coordinator):
+    first = coordinator.schedule(_fail_after, args=(0.0, "first"))
+    slow = [coordinator.schedule(time.sleep, args=(0.3,)) for _ in range(6)]
+    with pytest.raises(Boom, match="first"):
+        coordinator.join()
+    with pytest.raises(Boom, match="first"):
+        first.fetch()
+    cancelled = 0
+    for remote in slow:
+        try:
+            remote.fetch()
+        except CancelledError:
+            cancelled += 1
+    assert cancelled >= 1
+    # raised once: the coordinator is clean again and works normally
+    coordinator.join()
+    assert coordinator.done()
+    assert coordinator.schedule(lambda: 7).fetch() == 7
+
+
+def test_first_error_wins(coordinator):
+    coordinator.schedule(_fail_after, args=(0.0, "early"))
+    coordinator.schedule(_fail_after, args=(0.5, "late"))
+    with pytest.raises(Boom, match="early"):
+        coordinator.join()
+    coordinator.join()
+
+
+def test_error_surfaces_from_schedule(coordinator):
+    coordinator.schedule(_fail_after, args=(0.0, "x"))
+    deadline = time.monotonic() + 30
+    with pytest.raises(Boom):
+        while time.monotonic() < deadline:
+            coordinator.schedule(time.sleep, args=(0.05,))
+            time.sleep(0.05)
+    coordinator.join()
+
+
+def test_error_surfaces_from_done(coordinator):
+    coordinator.schedule(_fail_after, args=(0.0, "d"))
+    deadline = time.monotonic() + 30
+    with pytest.raises(Boom):
+        while time.monotonic() < deadline:
+            coordinator.done()
+            time.sleep(0.02)
+    assert coordinator.done()
+
+
+def test_worker_death_reruns_closures(fresh_cluster):
+    """At-least-once: a killed worker's functions run again elsewhere; join succeeds."""
+    cluster, client = fresh_cluster
+    strategy = dps.ParameterServerStrategy(client)
+    coordinator = dps.ClusterCoordinator(strategy)
+    with strategy.scope():
+        count = dps.Variable(0)
+
+    def step():
+        time.sleep(0.05)
+        count.assign_add(1)
+
+    remotes = [coordinator.schedule(step) for _ in range(60)]
+    time.sleep(0.5)
+    old = kill_worker(client, "worker-0")
+    coordinator.join()
+    assert all(r.fetch() is None for r in remotes)
+    assert int(count.numpy()) >= 60
+    wait_for_worker(client, "worker-0", old)
+
+
+def test_ps_death_raises_ps_unavailable(fresh_cluster):
+    cluster, client = fresh_cluster
+    strategy = dps.ParameterServerStrategy(client)
+    coordinator = dps.ClusterCoordinator(strategy)
+    with strategy.scope():
+        a = dps.Variable(1.0)  # ps-0
+        b = dps.Variable(2.0)  # ps-1
+    old = kill_worker(client, "ps-0")
+    with pytest.raises(PSUnavailableError, match="ps:0"):
+        for _ in range(100):
+            a.numpy()
+            time.sleep(0.1)
+    assert float(b.numpy()) == 2.0
+    coordinator.schedule(lambda: a.assign_add(1.0))
+    with pytest.raises(PSUnavailableError):
+        coordinator.join()
+    wait_for_worker(client, "ps-0", old)
+    with pytest.raises(PSUnavailableError):
+        a.numpy()
