@@ -14,15 +14,23 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+import dask.config
+from dask.utils import parse_timedelta
 from distributed import default_client
+from distributed.core import send_recv
 from distributed.protocol import to_serialize
 from distributed.utils import sync
 from distributed.worker import get_worker
 
 from daskps.errors import PSUnavailableError
+
+
+def connect_timeout() -> float:
+    """Seconds to wait for a connection to a parameter server (config ``daskps.connect-timeout``)."""
+    return parse_timedelta(dask.config.get("daskps.connect-timeout", "5s"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,14 +61,14 @@ class Transport:
     Parameters
     ----------
     loop : tornado.ioloop.IOLoop
-        The event loop that owns ``rpc``'s connections.
-    rpc : callable
-        ``rpc(address)`` returns a Dask RPC handle (a ``ConnectionPool``).
+        The event loop that owns ``pool``'s connections.
+    pool : distributed.core.ConnectionPool
+        The process's pool of connections (``worker.rpc`` or ``client.rpc``).
     """
 
-    def __init__(self, loop: Any, rpc: Callable[[str], Any]):
+    def __init__(self, loop: Any, pool: Any):
         self._loop = loop
-        self._rpc = rpc
+        self._pool = pool
 
     def call(self, ps: PSRef, method: str, *args: Any) -> Any:
         return self.call_many([Call(ps, method, args)])[0]
@@ -83,12 +91,20 @@ class Transport:
     async def _one(self, call: Call) -> Any:
         ps = call.ps
         try:
-            response = await self._rpc(ps.address).actor_execute(
-                actor=ps.actor_key,
-                function=call.method,
-                args=[to_serialize(a) for a in call.args],
-                kwargs={},
-            )
+            # Dask retries refused connections until its (30 s) connect timeout;
+            # a parameter server that is gone should be reported sooner.
+            comm = await self._pool.connect(ps.address, timeout=connect_timeout())
+            try:
+                response = await send_recv(
+                    comm=comm,
+                    op="actor_execute",
+                    actor=ps.actor_key,
+                    function=call.method,
+                    args=[to_serialize(a) for a in call.args],
+                    kwargs={},
+                )
+            finally:
+                self._pool.reuse(ps.address, comm)
         except OSError as exc:
             raise PSUnavailableError(
                 f"parameter server ps:{ps.task_id} at {ps.address} cannot be reached "
@@ -125,7 +141,7 @@ def transport_for(client: Any = None) -> Transport:
     if client is None:
         client = default_client()
     transport = _client_transports.get(id(client))
-    if transport is None or transport._rpc != client.rpc:
+    if transport is None or transport._pool is not client.rpc:
         transport = Transport(client.loop, client.rpc)
         _client_transports[id(client)] = transport
     return transport

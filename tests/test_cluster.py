@@ -1,0 +1,112 @@
+"""LocalPSCluster, DaskClusterResolver, and the CLI recipe with real processes."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+from distributed import Client
+
+import daskps as dps
+
+from .conftest import kill_worker, wait_for_worker
+
+
+def test_workers_have_their_resources_and_names(client):
+    workers = client.scheduler_info(n_workers=-1)["workers"].values()
+    by_name = {w["name"]: w["resources"] for w in workers}
+    assert by_name == {"ps-0": {"ps": 1}, "ps-1": {"ps": 1}, "worker-0": {"worker": 1}, "worker-1": {"worker": 1}}
+
+
+def test_everything_binds_to_loopback(cluster, client):
+    assert cluster.scheduler_address.startswith("tcp://127.0.0.1:")
+    assert cluster.dashboard_link.startswith("http://127.0.0.1:")
+    for addr in client.scheduler_info(n_workers=-1)["workers"]:
+        assert addr.startswith("tcp://127.0.0.1:")
+    for nanny in cluster.workers.values():
+        assert nanny.address.startswith("tcp://127.0.0.1:")
+
+
+def test_dashboard_answers_on_loopback(cluster):
+    with urllib.request.urlopen(cluster.dashboard_link.replace("/status", "/health"), timeout=10) as r:
+        assert r.read() == b"ok"
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [({"num_ps": -1}, "num_ps"), ({"num_workers": "2"}, "num_workers"), ({"threads_per_worker": 0}, "threads_per_worker")],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        dps.LocalPSCluster(**kwargs)
+
+
+def test_killed_worker_comes_back(fresh_cluster):
+    cluster, client = fresh_cluster
+    old = kill_worker(client, "worker-0")
+    new = wait_for_worker(client, "worker-0", old)
+    info = client.scheduler_info(n_workers=-1)["workers"][new]
+    assert info["resources"] == {"worker": 1}
+
+
+def test_resolver_cluster_spec(client):
+    resolver = dps.DaskClusterResolver(client)
+    spec = resolver.cluster_spec()
+    assert set(spec) == {"chief", "ps", "worker"}
+    assert len(spec["ps"]) == 2 and len(spec["worker"]) == 2 and len(spec["chief"]) == 1
+    assert resolver.task_type == "chief" and resolver.task_id == 0
+    assert resolver.num_ps == 2 and resolver.num_workers == 2
+
+
+def test_resolver_with_other_resource_names(client):
+    resolver = dps.DaskClusterResolver(client, ps_resource="worker", worker_resource="ps")
+    assert resolver.cluster_spec()["ps"] == dps.DaskClusterResolver(client).cluster_spec()["worker"]
+
+
+def test_resolver_validates_arguments(client):
+    with pytest.raises(TypeError, match="client"):
+        dps.DaskClusterResolver("tcp://127.0.0.1:1")
+    with pytest.raises(ValueError, match="ps_resource"):
+        dps.DaskClusterResolver(client, ps_resource="")
+    with pytest.raises(ValueError, match="differ"):
+        dps.DaskClusterResolver(client, ps_resource="x", worker_resource="x")
+
+
+def _start(args, env):
+    return subprocess.Popen([sys.executable, "-m", *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def test_cli_recipe_dask_scheduler_and_workers(tmp_path):
+    """The README's multi-machine recipe, on one machine: real dask CLI processes."""
+    env = {**os.environ, "DASK_DISTRIBUTED__WORKER__DAEMON": "False"}
+    sched_file = tmp_path / "scheduler.json"
+    procs = [_start(["distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", "0",
+                     "--dashboard-address", "127.0.0.1:0", "--scheduler-file", str(sched_file)], env)]
+    try:
+        deadline = time.monotonic() + 60
+        while not sched_file.exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        address = json.loads(sched_file.read_text())["address"]
+        for resource in ("ps=1", "worker=1", "worker=1"):
+            procs.append(_start(["distributed.cli.dask_worker", address, "--host", "127.0.0.1",
+                                 "--nthreads", "1", "--resources", resource, "--no-dashboard"], env))
+        with Client(address) as client:
+            client.wait_for_workers(3, timeout=60)
+            strategy = dps.ParameterServerStrategy(client)
+            coordinator = dps.ClusterCoordinator(strategy)
+            with strategy.scope():
+                v = dps.Variable(np.zeros(3, np.float32))
+            for _ in range(10):
+                coordinator.schedule(lambda: v.assign_add(np.ones(3, np.float32)))
+            coordinator.join()
+            np.testing.assert_array_equal(v.numpy(), np.full(3, 10.0))
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)

@@ -1,0 +1,151 @@
+"""Per-worker datasets on a real cluster."""
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from distributed import get_worker
+
+import daskps as dps
+from daskps.errors import NotScheduledError, OutOfRangeError
+
+from .conftest import kill_worker, wait_for_worker
+
+
+def _next(iterator):
+    return next(iterator)
+
+
+def _where_and_next(iterator):
+    return get_worker().name, next(iterator)
+
+
+def test_dataset_fn_without_arguments(coordinator):
+    it = iter(coordinator.create_per_worker_dataset(lambda: range(100)))
+    values = coordinator.fetch([coordinator.schedule(_next, args=(it,)) for _ in range(10)])
+    assert all(0 <= v < 100 for v in values)
+
+
+def test_dataset_fn_gets_its_input_context(coordinator):
+    def dataset_fn(ctx):
+        return [(ctx.input_pipeline_id, ctx.num_input_pipelines, get_worker().name)] * 50
+
+    it = iter(coordinator.create_per_worker_dataset(dataset_fn))
+    out = coordinator.fetch([coordinator.schedule(_where_and_next, args=(it,)) for _ in range(20)])
+    for ran_on, (pipeline_id, num, built_on) in out:
+        assert ran_on == built_on  # read where it was built
+        assert num == 2
+        assert pipeline_id == int(built_on.split("-")[1])
+
+
+def test_dataset_is_built_on_workers_never_here(coordinator):
+    def dataset_fn():
+        get_worker()  # raises on the coordinator
+        return [1, 2, 3]
+
+    it = iter(coordinator.create_per_worker_dataset(dataset_fn))
+    assert coordinator.schedule(_next, args=(it,)).fetch() == 1
+
+
+def test_iter_gives_fresh_iterators(coordinator):
+    ds = coordinator.create_per_worker_dataset(lambda: iter(range(1000)))
+    first = iter(ds)
+    for _ in range(6):
+        coordinator.schedule(_next, args=(first,))
+    coordinator.join()
+    second = iter(ds)
+    values = coordinator.fetch([coordinator.schedule(_next, args=(second,)) for _ in range(2)])
+    # a fresh pass starts again at 0 on whichever worker runs it first
+    assert 0 in values
+
+
+def test_iterator_handle_is_small(coordinator):
+    import pickle
+
+    big = np.zeros(2_000_000)
+    it = iter(coordinator.create_per_worker_dataset(lambda: iter([big.sum()] * 4)))
+    assert len(pickle.dumps(it)) < 300
+    assert coordinator.schedule(_next, args=(it,)).fetch() == 0.0
+
+
+def test_exhausted_iterator_raises_out_of_range(coordinator):
+    it = iter(coordinator.create_per_worker_dataset(lambda: [1]))
+    for _ in range(6):
+        coordinator.schedule(_next, args=(it,))
+    with pytest.raises(OutOfRangeError, match="exhausted"):
+        coordinator.join()
+    coordinator.join()
+
+
+def test_next_on_the_coordinator_is_refused(coordinator):
+    it = iter(coordinator.create_per_worker_dataset(lambda: [1]))
+    with pytest.raises(NotScheduledError):
+        next(it)
+
+
+def test_bad_dataset_fns(coordinator):
+    with pytest.raises(TypeError, match="dataset_fn must be a callable"):
+        coordinator.create_per_worker_dataset([1, 2, 3])
+    it = iter(coordinator.create_per_worker_dataset(lambda: 5))
+    coordinator.schedule(_next, args=(it,))
+    with pytest.raises(TypeError, match="iterable"):
+        coordinator.join()
+
+
+def test_per_worker_values_give_each_worker_its_own(coordinator):
+    values = dps.PerWorkerValues(["for worker-0", "for worker-1"])
+    out = coordinator.fetch([coordinator.schedule(lambda v: (get_worker().name, v), args=(values,)) for _ in range(10)])
+    for name, v in out:
+        assert v == f"for {name}"
+
+
+def test_restarted_worker_builds_its_own(fresh_cluster):
+    cluster, client = fresh_cluster
+    strategy = dps.ParameterServerStrategy(client)
+    coordinator = dps.ClusterCoordinator(strategy)
+
+    def dataset_fn(ctx):
+        return iter([(ctx.input_pipeline_id, os.getpid())] * 1000)
+
+    it = iter(coordinator.create_per_worker_dataset(dataset_fn))
+    before = coordinator.fetch([coordinator.schedule(_where_and_next, args=(it,)) for _ in range(10)])
+    old = kill_worker(client, "worker-1")
+    wait_for_worker(client, "worker-1", old)
+    after = coordinator.fetch([coordinator.schedule(_where_and_next, args=(it,)) for _ in range(20)])
+    old_pids = {pid for name, (_, pid) in before if name == "worker-1"}
+    new = [(index, pid) for name, (index, pid) in after if name == "worker-1"]
+    assert new, "the restarted worker ran nothing"
+    assert all(index == 1 and pid not in old_pids for index, pid in new)
+
+
+def test_worker_that_joins_later_builds_its_own(fresh_cluster, tmp_path):
+    cluster, client = fresh_cluster
+    strategy = dps.ParameterServerStrategy(client)
+    coordinator = dps.ClusterCoordinator(strategy)
+    it = iter(coordinator.create_per_worker_dataset(lambda ctx: iter([ctx.input_pipeline_id] * 1000)))
+    coordinator.fetch([coordinator.schedule(_next, args=(it,)) for _ in range(4)])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distributed.cli.dask_worker", cluster.scheduler_address,
+         "--host", "127.0.0.1", "--nthreads", "1", "--resources", "worker=1",
+         "--name", "late-worker", "--no-dashboard", "--no-nanny"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while "late-worker" not in {w["name"] for w in client.scheduler_info(n_workers=-1)["workers"].values()}:
+            assert time.monotonic() < deadline, "late worker never joined"
+            time.sleep(0.1)
+
+        def on_late(iterator):
+            time.sleep(0.1)  # long enough that all three workers get work
+            return get_worker().name, next(iterator)
+
+        seen = coordinator.fetch([coordinator.schedule(on_late, args=(it,)) for _ in range(30)])
+        late_ids = {value for name, value in seen if name == "late-worker"}
+        assert late_ids == {2}  # built its own, with the next free index
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
