@@ -15,6 +15,7 @@ worker running it dies (at-least-once, as in TensorFlow).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import pickle
 import threading
@@ -107,10 +108,9 @@ def _refuse_remote_values(structure: Any, arg: str) -> None:
     map_structure(check, structure)
 
 
-def _execute_closure(payload: bytes, strategy_blob: bytes) -> Any:
+def _execute_closure(strategy_blob: bytes, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """Runs on a training worker: one scheduled function."""
     strategy = pickle.loads(strategy_blob)
-    fn, args, kwargs = pickle.loads(payload)
     if any(isinstance(x, PerWorkerValues) and type(x) is PerWorkerValues for x in (*args, *kwargs.values())):
         index = local_worker_index(tuple(strategy._worker_names))
         local = lambda x: x._local(index) if type(x) is PerWorkerValues else x  # noqa: E731
@@ -166,6 +166,8 @@ class ClusterCoordinator:
         self._cond = threading.Condition()
         self._pending: dict[str, RemoteValue] = {}
         self._error: BaseException | None = None
+        self._unwatched: list[Any] = []
+        self._watch_queued = False
         self._counter = itertools.count()
         self.stats = {"scheduled": 0, "done": 0, "failed": 0, "cancelled": 0}
         self.last_error: BaseException | None = None
@@ -203,27 +205,43 @@ class ClusterCoordinator:
         _refuse_remote_values(kwargs, "kwargs")
         self._raise_pending_error()
         name = getattr(fn, "__name__", type(fn).__name__)
-        payload = dumps_or_explain((fn, tuple(args), kwargs), f"the function {name!r} or its arguments")
         key = f"daskps-{name}-{next(self._counter)}-{self._strategy._token[:8]}"
-        future = self._client.submit(
-            _execute_closure, payload, self._strategy_blob,
-            key=key, resources={"worker": 1}, pure=False,
-        )
+        try:
+            # Dask pickles the function and its arguments here, once.
+            future = self._client.submit(
+                _execute_closure, self._strategy_blob, fn, tuple(args), kwargs,
+                key=key, resources={"worker": 1}, pure=False,
+            )
+        except Exception:
+            dumps_or_explain((fn, tuple(args), kwargs), f"the function {name!r} or its arguments")
+            raise
         remote = RemoteValue(future)
         with self._cond:
             self._pending[key] = remote
             self.stats["scheduled"] += 1
-        future.add_done_callback(self._on_done)
+            self._unwatched.append(future)
+            wake = not self._watch_queued
+            self._watch_queued = True
+        if wake:  # one loop wake-up serves every schedule call made meanwhile
+            self._client.loop.add_callback(self._watch_batch)
         return remote
 
-    def _on_done(self, future: Any) -> None:
+    def _watch_batch(self) -> None:
+        """On the client's event loop: start watching newly scheduled futures."""
+        with self._cond:
+            batch, self._unwatched = self._unwatched, []
+            self._watch_queued = False
+        for future in batch:
+            asyncio.ensure_future(self._watch(future))
+
+    async def _watch(self, future: Any) -> None:
+        await future._state.wait()
         status = future.status
         error = None
         if status == "error":
-            try:
-                error = future.exception()
-            except Exception as exc:  # the client went away
-                error = exc
+            error = future._state.exception
+            if future._state.traceback is not None:
+                error = error.with_traceback(future._state.traceback)
         with self._cond:
             remote = self._pending.pop(future.key, None)
             if remote is not None:
