@@ -23,3 +23,13 @@ def test_daskps_demo_command_runs_end_to_end():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "epoch  2/2" in out.stdout
     assert "final test accuracy" in out.stdout
+
+
+def test_example_script_trains(tmp_path):
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "train_softmax.py"
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    accuracy = float(out.stdout.strip().splitlines()[-1].rsplit(" ", 1)[1])
+    assert accuracy > 0.9
