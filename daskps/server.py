@@ -11,8 +11,8 @@ that raises leaves the server as it was.
 from __future__ import annotations
 
 import inspect
-from collections import Counter
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 

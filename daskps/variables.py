@@ -68,7 +68,7 @@ class _LocalStore:
         self.value = value
 
     def read(self) -> np.ndarray:
-        return self.value
+        return self.value.copy()  # callers may write to what they get
 
     def read_index(self, index: Any) -> np.ndarray:
         return np.array(self.value[index])
