@@ -5,6 +5,7 @@ import time
 
 import numpy as np
 import pytest
+from distributed import Event
 
 import daskps as dps
 from daskps.errors import CancelledError, PSUnavailableError
@@ -23,14 +24,21 @@ def test_coordinator_needs_a_strategy():
         dps.ClusterCoordinator(object())
 
 
-def test_schedule_returns_at_once(coordinator):
-    started = time.perf_counter()
-    remote = coordinator.schedule(time.sleep, args=(1.0,))
-    assert time.perf_counter() - started < 0.9
+def _wait_for(event_name):
+    Event(event_name).wait()
+    return "released"
+
+
+def test_schedule_returns_at_once(coordinator, client):
+    gate = Event("daskps-test-gate", client=client)
+    remote = coordinator.schedule(_wait_for, args=("daskps-test-gate",))
+    # schedule came back while the function is still blocked on the event
     assert isinstance(remote, dps.RemoteValue)
     assert not coordinator.done()
+    gate.set()
     coordinator.join()
     assert coordinator.done()
+    assert remote.fetch() == "released"
 
 
 def test_scheduled_functions_update_ps_variables(strategy, coordinator):
