@@ -111,9 +111,10 @@ def _refuse_remote_values(structure: Any, arg: str) -> None:
 def _execute_closure(strategy_blob: bytes, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """Runs on a training worker: one scheduled function."""
     strategy = pickle.loads(strategy_blob)
-    if any(isinstance(x, PerWorkerValues) and type(x) is PerWorkerValues for x in (*args, *kwargs.values())):
+    # Iterators resolve themselves on the worker; plain PerWorkerValues need its index.
+    if any(type(x) is PerWorkerValues for x in (*args, *kwargs.values())):
         index = local_worker_index(tuple(strategy._worker_names))
-        local = lambda x: x._local(index) if type(x) is PerWorkerValues else x  # noqa: E731
+        local = lambda x: x._local(index) if type(x) is PerWorkerValues else x
         args = map_structure(local, args)
         kwargs = map_structure(local, kwargs)
     token = _SCHEDULED.set(True)
