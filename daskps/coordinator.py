@@ -19,7 +19,6 @@ import asyncio
 import itertools
 import pickle
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -172,7 +171,6 @@ class ClusterCoordinator:
         self._counter = itertools.count()
         self.stats = {"scheduled": 0, "done": 0, "failed": 0, "cancelled": 0}
         self.last_error: BaseException | None = None
-        self._started = time.time()
 
     @property
     def strategy(self) -> ParameterServerStrategy:

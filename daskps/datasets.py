@@ -105,7 +105,6 @@ class PerWorkerDataset:
         self._plugin_name = f"daskps-dataset-{self._id}"
         plugin = _DatasetPlugin(self._id, blob, tuple(strategy._worker_names))
         strategy.client.register_plugin(plugin, name=self._plugin_name)
-        self._coordinator = coordinator
         self._iterators = 0
         self._lock = threading.Lock()
 
