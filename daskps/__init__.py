@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from daskps import errors
+from daskps import errors, partitioners
 from daskps.cluster import DaskClusterResolver, LocalPSCluster
 from daskps.context import (
     InputContext,
@@ -24,6 +24,9 @@ from daskps.context import (
 )
 from daskps.coordinator import ClusterCoordinator, RemoteValue
 from daskps.datasets import PerWorkerDataset, PerWorkerIterator, PerWorkerValues
+from daskps.indexed_slices import IndexedSlices
+from daskps.partitioners import create_partitioned_variables
+from daskps.sharding import ShardedVariable, embedding_lookup
 from daskps.strategy import ParameterServerStrategy
 from daskps.variables import Variable, read_values
 
@@ -32,6 +35,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ClusterCoordinator",
     "DaskClusterResolver",
+    "IndexedSlices",
     "InputContext",
     "InputOptions",
     "LocalPSCluster",
@@ -43,12 +47,16 @@ __all__ = [
     "RemoteValue",
     "ReplicaContext",
     "RunOptions",
+    "ShardedVariable",
     "ValueContext",
     "Variable",
+    "create_partitioned_variables",
+    "embedding_lookup",
     "errors",
     "get_replica_context",
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "partitioners",
     "read_values",
 ]

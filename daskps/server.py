@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-_INIT_ARGS = ("shape", "dtype", "partition_shape", "partition_offset")
-_DENSE_OPS = ("assign", "add", "sub")
+from daskps.updates import apply_update, check_update
+
 
 
 def call_initializer(
@@ -54,11 +54,38 @@ def call_initializer(
     return fn(**kwargs)
 
 
+def build_part(
+    value: Any,
+    init_fn: Callable[..., Any] | None,
+    shape: Sequence[int] | None,
+    dtype: np.dtype | None,
+    partition_shape: Sequence[int] | None = None,
+    partition_offset: Sequence[int] | None = None,
+) -> tuple[Any, bool]:
+    """The initial value of one part of a variable of ``shape``.
+
+    ``init_fn`` (if given) is offered the part's shape and offset; when it
+    (or ``value``) has the whole ``shape`` instead, the part is cut out of it.
+    Returns the value and whether the whole variable had to be built.
+    """
+    full = None if shape is None else tuple(shape)
+    part = None if partition_shape is None else tuple(partition_shape)
+    offset = None if partition_offset is None else tuple(partition_offset)
+    if init_fn is not None:
+        value = call_initializer(init_fn, full, dtype, part, offset)
+    if part is None or part == full or np.shape(value) != full:
+        return value, False
+    return np.asarray(value)[tuple(slice(o, o + n) for o, n in zip(offset, part))], True
+
+
 _PYTHON_DEFAULTS = {np.dtype("float64"): np.dtype("float32"), np.dtype("int64"): np.dtype("int32")}
 
 
-def _materialize(value: Any, dtype: np.dtype | None, shape: tuple | None, name: str) -> np.ndarray:
-    arr = np.array(value, dtype=dtype, copy=True)
+def _materialize(value: Any, dtype: np.dtype | None, shape: tuple | None, name: str, fresh: bool = False) -> np.ndarray:
+    # Updates write in place: take a private, writable copy unless the value
+    # is an initializer's new array (a large one need not exist twice).
+    private = fresh and isinstance(value, np.ndarray) and value.flags.owndata and value.flags.writeable
+    arr = np.array(value, dtype=dtype, copy=None if private else True)
     if dtype is None and not isinstance(value, (np.ndarray, np.generic)):
         # Python numbers follow TensorFlow's defaults, not numpy's 64-bit ones.
         arr = arr.astype(_PYTHON_DEFAULTS.get(arr.dtype, arr.dtype), copy=False)
@@ -85,7 +112,7 @@ class ParameterServer:
 
     >>> ps = ParameterServer(0)
     >>> ps.create("k1", "w", value=[1.0, 2.0], dtype="float32")
-    ((2,), '<f4')
+    ((2,), '<f4', False)
     >>> ps.update([("k1", "add", np.ones(2, "float32"))])
     >>> ps.read(["k1"])
     [array([2., 3.], dtype=float32)]
@@ -96,6 +123,7 @@ class ParameterServer:
         self._values: dict[str, np.ndarray] = {}
         self._names: dict[str, str] = {}
         self.reads = 0
+        self.bytes_read = 0
         self.updates = 0
         self.calls: Counter[str] = Counter()
         self.started = time.time()
@@ -111,27 +139,27 @@ class ParameterServer:
         dtype: str | None = None,
         partition_shape: Sequence[int] | None = None,
         partition_offset: Sequence[int] | None = None,
-    ) -> tuple[tuple[int, ...], str]:
-        """Create variable ``key``; return its shape and dtype string."""
+    ) -> tuple[tuple[int, ...], str, bool]:
+        """Create variable ``key``; return its shape, dtype string, and whether
+        the initializer built the whole variable to cut this part out of it.
+
+        With ``partition_shape``/``partition_offset`` this server holds one
+        part of a variable of ``shape``: ``init_fn`` is offered the part's
+        shape and offset, and a result of the full ``shape`` is sliced.
+        """
         if key in self._values:
             raise ValueError(f"variable key {key!r} already exists on ps task {self.task_id}")
         np_dtype = None if dtype is None else np.dtype(dtype)
-        want = tuple(partition_shape) if partition_shape is not None else shape
-        if init_fn is not None:
-            value = call_initializer(
-                init_fn,
-                None if shape is None else tuple(shape),
-                np_dtype,
-                None if partition_shape is None else tuple(partition_shape),
-                None if partition_offset is None else tuple(partition_offset),
-            )
-        arr = _materialize(value, np_dtype, want, name)
+        value, sliced = build_part(value, init_fn, shape, np_dtype, partition_shape, partition_offset)
+        part = partition_shape if partition_shape is not None else shape
+        fresh = init_fn is not None and not sliced
+        arr = _materialize(value, np_dtype, None if part is None else tuple(part), name, fresh)
         if arr.dtype.kind not in "biufc":
             raise TypeError(f"variable {name!r} must hold numbers, got dtype {arr.dtype}")
         self._values[key] = arr
         self._names[key] = name
         self.calls["create"] += 1
-        return arr.shape, arr.dtype.str
+        return arr.shape, arr.dtype.str, sliced
 
     def drop(self, keys: Sequence[str]) -> None:
         for key in keys:
@@ -147,59 +175,36 @@ class ParameterServer:
                 f"no variable with key {key!r} on ps task {self.task_id}"
             ) from None
 
-    def read(self, keys: Sequence[str]) -> list[np.ndarray]:
-        """Current values of ``keys``, in order.
+    def read(self, keys: Sequence[str], indices: Sequence[Any] | None = None) -> list[np.ndarray]:
+        """Copies of the values of ``keys`` (or of ``value[index]`` for each).
 
-        Dense updates replace arrays instead of writing into them, so the
-        arrays returned here stay a consistent snapshot while they are sent.
+        Updates write in place, so what is returned must be a copy: Dask
+        sends it after this method returns, while later calls may run.
         """
-        out = [self._get(k) for k in keys]
+        arrays = [self._get(k) for k in keys]
+        if indices is None:
+            out = [a.copy() for a in arrays]
+        else:
+            out = [np.array(a[index]) for a, index in zip(arrays, indices, strict=True)]
         self.calls["read"] += 1
         self.reads += len(out)
+        self.bytes_read += sum(a.nbytes for a in out)
         return out
-
-    def read_index(self, key: str, index: Any) -> np.ndarray:
-        """``value[index]`` computed here, so only the selection travels."""
-        value = self._get(key)
-        self.calls["read_index"] += 1
-        self.reads += 1
-        return np.array(value[index])
 
     # -- updates ------------------------------------------------------------
     def update(self, updates: Sequence[tuple[str, str, Any]]) -> None:
-        """Apply ``(key, op, value)`` updates, op one of assign/add/sub.
+        """Apply ``(key, op, payload)`` updates (see :mod:`daskps.updates`).
 
         All updates are checked before any is applied.
         """
-        checked = [self._check_dense(key, op, value) for key, op, value in updates]
+        checked = []
+        for key, op, payload in updates:
+            arr = self._get(key)
+            checked.append((arr, op, check_update(arr.shape, arr.dtype, self._names[key], op, payload)))
         self.calls["update"] += 1
-        for key, op, value in checked:
-            old = self._values[key]
-            if op == "assign":
-                new = np.array(value, dtype=old.dtype, copy=True)
-            elif op == "add":
-                new = np.asarray(old + value).astype(old.dtype, copy=False)
-            else:
-                new = np.asarray(old - value).astype(old.dtype, copy=False)
-            self._values[key] = new
+        for arr, op, payload in checked:
+            apply_update(arr, op, payload)
         self.updates += len(checked)
-
-    def _check_dense(self, key: str, op: str, value: Any) -> tuple[str, str, np.ndarray]:
-        old = self._get(key)
-        if op not in _DENSE_OPS:
-            raise ValueError(f"op must be one of {_DENSE_OPS}, got {op!r}")
-        arr = np.asarray(value)
-        if arr.dtype.kind not in "biufc":
-            raise TypeError(f"value for {self._names[key]!r} must be numeric, got dtype {arr.dtype}")
-        if arr.shape != old.shape:
-            raise ValueError(
-                f"value for {self._names[key]!r} must have shape {old.shape}, got {arr.shape}"
-            )
-        if not np.can_cast(arr.dtype, old.dtype, casting="same_kind"):
-            raise TypeError(
-                f"value for {self._names[key]!r} must be castable to {old.dtype}, got {arr.dtype}"
-            )
-        return key, op, arr
 
     # -- introspection ------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -209,6 +214,7 @@ class ParameterServer:
             "num_variables": len(self._values),
             "nbytes": int(sum(v.nbytes for v in self._values.values())),
             "reads": self.reads,
+            "bytes_read": self.bytes_read,
             "updates": self.updates,
             "uptime": time.time() - self.started,
             "calls": dict(self.calls),

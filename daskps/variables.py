@@ -9,17 +9,18 @@ the current process, as TensorFlow keeps such variables on the coordinator.
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from daskps import context
+from daskps._arraylike import ArrayLike
 from daskps.server import _PYTHON_DEFAULTS
 from daskps.transport import Call, PSRef, transport_for
+from daskps.updates import apply_update, check_update
 
-__all__ = ["Variable", "read_values"]
+__all__ = ["Variable", "apply_updates", "fetch", "read_values"]
 
 LOCAL_DEVICE = "/job:chief/replica:0/task:0/device:CPU:0"
 
@@ -36,29 +37,6 @@ def default_array(value: Any, arg: str = "value") -> np.ndarray:
     return arr
 
 
-def coerce_update(value: Any, dtype: np.dtype, shape: tuple, name: str, arg: str = "value") -> np.ndarray:
-    """Check an update against a variable: same shape, numeric, castable dtype."""
-    if isinstance(value, Variable):
-        value = value.numpy()
-    try:
-        arr = np.asarray(value)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"{arg} for variable {name!r} must be array-like, got {type(value).__name__}") from exc
-    if arr.dtype.kind not in "biufc":
-        raise TypeError(
-            f"{arg} for variable {name!r} must be numeric, got dtype {arr.dtype} "
-            f"from {type(value).__name__}"
-        )
-    if arr.shape != shape:
-        raise ValueError(f"{arg} for variable {name!r} must have shape {shape}, got {arr.shape}")
-    typed = isinstance(value, (np.ndarray, np.generic))
-    if typed and not np.can_cast(arr.dtype, dtype, casting="same_kind"):
-        raise TypeError(f"{arg} for variable {name!r} must have a dtype castable to {dtype}, got {arr.dtype}")
-    if not typed and arr.dtype.kind == "f" and dtype.kind in "biu":
-        raise TypeError(f"{arg} for variable {name!r} has dtype {dtype}; got non-integer {value!r}")
-    return arr.astype(dtype, copy=False)
-
-
 class _LocalStore:
     """Keeps the value in this process."""
 
@@ -67,23 +45,9 @@ class _LocalStore:
     def __init__(self, value: np.ndarray):
         self.value = value
 
-    def read(self) -> np.ndarray:
-        return self.value.copy()  # callers may write to what they get
-
-    def read_index(self, index: Any) -> np.ndarray:
-        return np.array(self.value[index])
-
-    def update(self, op: str, value: np.ndarray) -> None:
-        if op == "assign":
-            self.value = np.array(value, dtype=self.value.dtype)
-        elif op == "add":
-            self.value = np.asarray(self.value + value).astype(self.value.dtype, copy=False)
-        else:
-            self.value = np.asarray(self.value - value).astype(self.value.dtype, copy=False)
-
 
 class _RemoteStore:
-    """Reaches the value on a parameter server."""
+    """Names the value on a parameter server."""
 
     __slots__ = ("ps", "key", "client")
 
@@ -99,18 +63,6 @@ class _RemoteStore:
     def device(self) -> str:
         return self.ps.device
 
-    def transport(self):
-        return transport_for(self.client)
-
-    def read(self) -> np.ndarray:
-        return self.transport().call(self.ps, "read", [self.key])[0]
-
-    def read_index(self, index: Any) -> np.ndarray:
-        return self.transport().call(self.ps, "read_index", self.key, index)
-
-    def update(self, op: str, value: np.ndarray) -> None:
-        self.transport().call(self.ps, "update", [(self.key, op, value)])
-
 
 class _VariableMeta(type):
     """Routes ``Variable(...)`` to the current strategy inside its scope."""
@@ -124,7 +76,7 @@ class _VariableMeta(type):
         return super().__call__(*args, **kwargs)
 
 
-class Variable(metaclass=_VariableMeta):
+class Variable(ArrayLike, metaclass=_VariableMeta):
     """A mutable numpy array, on a parameter server inside ``strategy.scope()``.
 
     Parameters
@@ -152,8 +104,6 @@ class Variable(metaclass=_VariableMeta):
     >>> v.device
     '/job:chief/replica:0/task:0/device:CPU:0'
     """
-
-    __array_priority__ = 100
 
     def __init__(
         self,
@@ -216,82 +166,35 @@ class Variable(metaclass=_VariableMeta):
     def trainable(self) -> bool:
         return self._trainable
 
-    @property
-    def ndim(self) -> int:
-        return len(self._shape)
-
-    @property
-    def size(self) -> int:
-        return int(np.prod(self._shape, dtype=np.int64))
-
-    @property
-    def nbytes(self) -> int:
-        return self.size * self._dtype.itemsize
-
-    # -- reads --------------------------------------------------------------
+    # -- reads and updates -------------------------------------------------
     def numpy(self) -> np.ndarray:
-        """The current value, as a numpy array."""
-        return self._store.read()
-
-    def read_value(self) -> np.ndarray:
-        """The current value (same as :meth:`numpy`)."""
-        return self._store.read()
-
-    def value(self) -> np.ndarray:
-        return self._store.read()
-
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        arr = self._store.read()
-        if dtype is not None:
-            arr = arr.astype(dtype, copy=False)
-        return np.array(arr, copy=True) if copy else arr
-
-    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
-        inputs = tuple(np.asarray(x) if isinstance(x, Variable) else x for x in inputs)
-        if "out" in kwargs:
-            kwargs["out"] = tuple(np.asarray(x) if isinstance(x, Variable) else x for x in kwargs["out"])
-        return getattr(ufunc, method)(*inputs, **kwargs)
+        """The current value, as a numpy array (a copy)."""
+        return fetch([(self, None)])[0]
 
     def __getitem__(self, index: Any) -> np.ndarray:
-        """``value[index]`` with numpy semantics, sliced on the server."""
-        if isinstance(index, Variable):
+        """``value[index]`` with numpy semantics, computed where the value lives."""
+        if isinstance(index, ArrayLike):
             index = index.numpy()
-        return self._store.read_index(index)
+        elif isinstance(index, tuple):
+            index = tuple(x.numpy() if isinstance(x, ArrayLike) else x for x in index)
+        return fetch([(self, index)])[0]
 
-    # -- updates ------------------------------------------------------------
-    def _update(self, op: str, value: Any, arg: str) -> Variable:
-        arr = coerce_update(value, self._dtype, self._shape, self._name, arg)
-        self._store.update(op, arr)
+    def _dense(self, op: str, value: Any, arg: str) -> Variable:
+        payload = check_update(self._shape, self._dtype, self._name, op, value, arg)
+        apply_updates([(self, op, payload)])
         return self
 
-    def assign(self, value: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True) -> Variable:
-        """Set the value; returns the variable."""
-        return self._update("assign", value, "value")
+    def _scatter(self, op: str, payload: tuple) -> Variable:
+        payload = check_update(self._shape, self._dtype, self._name, op, payload)
+        apply_updates([(self, op, payload)])
+        return self
 
-    def assign_add(self, delta: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True) -> Variable:
-        """Add ``delta`` (same shape) to the value; returns the variable."""
-        return self._update("add", delta, "delta")
+    def _gather(self, indices: Any, one_d: bool = False) -> np.ndarray:
+        from daskps.sharding import gather_rows
 
-    def assign_sub(self, delta: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True) -> Variable:
-        """Subtract ``delta`` (same shape) from the value; returns the variable."""
-        return self._update("sub", delta, "delta")
+        return gather_rows([self], [0, self._shape[0] if self._shape else 0], indices, self._name, one_d)
 
     # -- Python protocol ----------------------------------------------------
-    __hash__ = None  # type: ignore[assignment]  # == is elementwise, as in TF2
-
-    def ref(self) -> _VariableRef:
-        """A hashable reference to this variable, for use as a dict key."""
-        return _VariableRef(self)
-
-    def __bool__(self) -> bool:
-        return bool(self.numpy())
-
-    def __float__(self) -> float:
-        return float(self.numpy())
-
-    def __int__(self) -> int:
-        return int(self.numpy())
-
     def __len__(self) -> int:
         if not self._shape:
             raise TypeError("len() of a scalar variable")
@@ -307,45 +210,6 @@ class Variable(metaclass=_VariableMeta):
             f"<daskps.Variable {self._name!r} shape={self._shape} dtype={self._dtype} "
             f"device={self.device!r}>"
         )
-
-
-class _VariableRef:
-    __slots__ = ("_var",)
-
-    def __init__(self, var: Variable):
-        self._var = var
-
-    def deref(self) -> Variable:
-        return self._var
-
-    def __hash__(self) -> int:
-        return id(self._var)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _VariableRef) and other._var is self._var
-
-
-def _binary(op: Any, reflected: bool = False):
-    if reflected:
-        return lambda self, other: op(np.asarray(other), self.numpy())
-    return lambda self, other: op(self.numpy(), np.asarray(other))
-
-
-for _name, _op in [
-    ("add", operator.add), ("sub", operator.sub), ("mul", operator.mul),
-    ("truediv", operator.truediv), ("floordiv", operator.floordiv), ("mod", operator.mod),
-    ("pow", operator.pow), ("matmul", operator.matmul), ("and", operator.and_),
-    ("or", operator.or_), ("xor", operator.xor),
-]:
-    setattr(Variable, f"__{_name}__", _binary(_op))
-    setattr(Variable, f"__r{_name}__", _binary(_op, reflected=True))
-for _name, _op in [
-    ("lt", operator.lt), ("le", operator.le), ("gt", operator.gt),
-    ("ge", operator.ge), ("eq", operator.eq), ("ne", operator.ne),
-]:
-    setattr(Variable, f"__{_name}__", _binary(_op))
-for _name, _op in [("neg", operator.neg), ("pos", operator.pos), ("abs", operator.abs), ("invert", operator.invert)]:
-    setattr(Variable, f"__{_name}__", (lambda op: lambda self: op(self.numpy()))(_op))
 
 
 def _rebuild_variable(store: Any, name: str, shape: tuple, dtype: str, trainable: bool, token: str | None) -> Variable:
@@ -402,30 +266,60 @@ def read_values(variables: Iterable[Variable]) -> list[np.ndarray]:
         if parts is None and not isinstance(v, Variable):
             raise TypeError(f"variables must contain Variables, got {type(v).__name__}")
         leaves.append(list(parts) if parts is not None else [v])
-    flat = [leaf for group in leaves for leaf in group]
-    values = _read_flat(flat)
+    values = fetch([(leaf, None) for group in leaves for leaf in group])
     out, i = [], 0
     for v, group in zip(variables, leaves):
         part_values = values[i : i + len(group)]
         i += len(group)
-        out.append(part_values[0] if len(group) == 1 and group[0] is v else np.concatenate(part_values, axis=0))
+        out.append(part_values[0] if group[0] is v else np.concatenate(part_values, axis=0))
     return out
 
 
-def _read_flat(flat: list[Variable]) -> list[np.ndarray]:
-    results: list[Any] = [None] * len(flat)
+def _by_server(variables: Sequence[Variable]) -> tuple[dict[PSRef, list[int]], list[int], Any]:
+    """Positions of remote variables grouped by server, positions of local ones, a client."""
     by_ps: dict[PSRef, list[int]] = {}
-    client = None
-    for i, v in enumerate(flat):
+    local, client = [], None
+    for i, v in enumerate(variables):
         store = v._store
         if isinstance(store, _RemoteStore):
             by_ps.setdefault(store.ps, []).append(i)
             client = client or store.client
         else:
-            results[i] = store.read()
-    if by_ps:
-        calls = [Call(ps, "read", ([flat[i]._store.key for i in idx],)) for ps, idx in by_ps.items()]
-        for idx, values in zip(by_ps.values(), transport_for(client).call_many(calls)):
-            for i, val in zip(idx, values):
-                results[i] = val
+            local.append(i)
+    return by_ps, local, client
+
+
+def fetch(items: Sequence[tuple[Variable, Any]]) -> list[np.ndarray]:
+    """``variable[index]`` (or the whole value for ``None``) for each item.
+
+    One ``read`` call per parameter server, all servers at once; only the
+    selected elements travel.
+    """
+    by_ps, local, client = _by_server([v for v, _ in items])
+    results: list[Any] = [None] * len(items)
+    for i in local:
+        value, index = items[i][0]._store.value, items[i][1]
+        results[i] = value.copy() if index is None else np.array(value[index])
+    calls = []
+    for ps, idx in by_ps.items():
+        keys = [items[i][0]._store.key for i in idx]
+        indices = [items[i][1] for i in idx]
+        args = (keys,) if all(x is None for x in indices) else (keys, [... if x is None else x for x in indices])
+        calls.append(Call(ps, "read", args))
+    for idx, values in zip(by_ps.values(), transport_for(client).call_many(calls)):
+        for i, val in zip(idx, values):
+            results[i] = val
     return results
+
+
+def apply_updates(items: Sequence[tuple[Variable, str, Any]]) -> None:
+    """Apply checked ``(variable, op, payload)`` updates: one call per server, all at once."""
+    by_ps, local, client = _by_server([v for v, _, _ in items])
+    calls = [
+        Call(ps, "update", ([(items[i][0]._store.key, items[i][1], items[i][2]) for i in idx],))
+        for ps, idx in by_ps.items()
+    ]
+    for i in local:
+        var, op, payload = items[i]
+        apply_update(var._store.value, op, payload)
+    transport_for(client).call_many(calls)

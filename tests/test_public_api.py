@@ -6,6 +6,7 @@ SPEC_NAMES = {
     "has_strategy", "in_cross_replica_context", "get_replica_context", "ReplicaContext",
     "ReduceOp", "InputContext", "ValueContext", "RunOptions", "InputOptions", "Variable",
     "read_values", "ClusterCoordinator", "RemoteValue", "PerWorkerValues", "errors",
+    "IndexedSlices", "ShardedVariable", "embedding_lookup", "partitioners", "create_partitioned_variables",
 }
 
 
@@ -27,3 +28,10 @@ def test_errors_share_one_base():
         cls = getattr(errors, name)
         assert issubclass(cls, errors.DaskPSError)
     assert errors.__all__ == sorted(errors.__all__)
+
+
+def test_partitioners_module_exports():
+    for name in ["Partitioner", "FixedShardsPartitioner", "MinSizePartitioner", "MaxSizePartitioner",
+                 "fixed_size_partitioner", "min_max_variable_partitioner", "variable_axis_size_partitioner"]:
+        assert name in dps.partitioners.__all__
+    assert dps.partitioners.__all__ == sorted(dps.partitioners.__all__)

@@ -56,9 +56,9 @@ def test_one_actor_per_ps_pinned_by_address(strategy, client):
     assert [s["task_id"] for s in stats] == [0, 1]
 
 
-def test_variable_partitioner_is_refused_until_sharding_lands(client):
-    with pytest.raises(NotImplementedError, match="variable_partitioner"):
-        dps.ParameterServerStrategy(client, variable_partitioner=lambda shape, dtype: [2, 1])
+def test_variable_partitioner_must_be_callable(client):
+    with pytest.raises(TypeError, match="variable_partitioner"):
+        dps.ParameterServerStrategy(client, variable_partitioner=2)
 
 
 def test_scope_makes_strategy_current(strategy):
