@@ -306,9 +306,10 @@ def fetch(items: Sequence[tuple[Variable, Any]]) -> list[np.ndarray]:
         indices = [items[i][1] for i in idx]
         args = (keys,) if all(x is None for x in indices) else (keys, [... if x is None else x for x in indices])
         calls.append(Call(ps, "read", args))
-    for idx, values in zip(by_ps.values(), transport_for(client).call_many(calls)):
-        for i, val in zip(idx, values):
-            results[i] = val
+    if calls:
+        for idx, values in zip(by_ps.values(), transport_for(client).call_many(calls)):
+            for i, val in zip(idx, values):
+                results[i] = val
     return results
 
 
@@ -322,4 +323,5 @@ def apply_updates(items: Sequence[tuple[Variable, str, Any]]) -> None:
     for i in local:
         var, op, payload = items[i]
         apply_update(var._store.value, op, payload)
-    transport_for(client).call_many(calls)
+    if calls:
+        transport_for(client).call_many(calls)

@@ -11,6 +11,9 @@ from distributed import Client
 
 import daskps as dps
 
+# tests/data holds generated fixtures and the script (needing TensorFlow) that makes them.
+collect_ignore_glob = ["data/*"]
+
 
 @pytest.fixture(scope="session")
 def cluster():
