@@ -21,7 +21,6 @@ import numpy as np
 from daskps.updates import apply_update, check_update
 
 
-
 def call_initializer(
     fn: Callable[..., Any],
     shape: tuple[int, ...] | None,
