@@ -269,7 +269,7 @@ def create_partitioned_variables(
     >>> [p.name for p in parts], [p.shape for p in parts]
     (['PartitionedVariable/part_0', 'PartitionedVariable/part_1'], [(3, 2), (2, 2)])
     """
-    from daskps.strategy import create_parts
+    from daskps.placement import create_parts
 
     shape = _shape(shape)
     slicing = _shape(slicing)

@@ -12,24 +12,20 @@ so scheduled functions may capture it and call ``strategy.run`` on a worker.
 from __future__ import annotations
 
 import contextvars
-import dataclasses
 import uuid
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import dask.config
 import numpy as np
 from distributed import Client, default_client
 
-from daskps import context
+from daskps import context, placement
 from daskps.cluster import DaskClusterResolver
 from daskps.context import InputContext, ReduceOp, ReplicaContext, ValueContext, _Mode
-from daskps.partitioners import div_offsets
-from daskps.server import ParameterServer, build_part, call_initializer
+from daskps.server import ParameterServer
 from daskps.transport import PSRef
-from daskps.variables import Variable, _RemoteStore, check_variable_args, default_array
+from daskps.variables import Variable, check_variable_args
 
 __all__ = ["ParameterServerStrategy", "default_strategy"]
 
@@ -344,86 +340,15 @@ class ParameterServerStrategy(_SingleReplicaStrategy):
         name, dtype, shape = check_variable_args(initial_value, name, dtype, shape)
         colocate = self._extended._colocate_with.get()
         if colocate is not None:  # never partitioned
-            return self._create([_Part(colocate._store.ps, name, initial_value, shape, dtype)], trainable)[0]
+            return placement.create(self, [placement.Part(colocate._store.ps, name, initial_value, shape, dtype)], trainable)[0]
         if self._variable_partitioner is not None:
-            return self._create_partitioned(initial_value, trainable, name, dtype, shape)
-        return self._create([_Part(self._next_ps(), name, initial_value, shape, dtype)], trainable)[0]
+            return placement.create_partitioned(self, initial_value, trainable, name, dtype, shape)
+        return placement.create(self, [placement.Part(self._next_ps(), name, initial_value, shape, dtype)], trainable)[0]
 
     def _next_ps(self) -> PSRef:
         ps = self._ps[self._variable_count % len(self._ps)]
         self._variable_count += 1
         return ps
-
-    def _create_partitioned(self, initial_value: Any, trainable: bool, name: str, dtype: Any, shape: Any) -> Any:
-        if callable(initial_value) and (shape is None or dtype is None):
-            # Without both there is nothing to partition by: build it here, as TensorFlow does.
-            initial_value = call_initializer(initial_value, shape, dtype)
-        if not callable(initial_value):
-            initial_value = default_array(initial_value, "initial_value") if dtype is None else np.asarray(initial_value, dtype)
-            if shape is not None and initial_value.shape != shape:
-                raise ValueError(f"initial_value has shape {initial_value.shape}, expected shape {shape}")
-            shape, dtype = initial_value.shape, initial_value.dtype
-        num = self._num_partitions(shape, dtype) if shape else 1
-        if num == 1:
-            return self._create([_Part(self._next_ps(), name, initial_value, shape, dtype)], trainable)[0]
-        from daskps.sharding import ShardedVariable
-
-        return ShardedVariable(self._create_parts(initial_value, shape, dtype, 0, num, name, trainable), name=name)
-
-    def _num_partitions(self, shape: tuple, dtype: np.dtype) -> int:
-        result = self._variable_partitioner(shape=shape, dtype=dtype)
-        try:
-            counts = [int(x) for x in result]
-        except (TypeError, ValueError):
-            counts = []
-        if not counts or counts[0] < 1 or any(c != 1 for c in counts[1:]):
-            raise ValueError(
-                "variable_partitioner must return a list of ints [num_shards >= 1, 1, 1, ...] "
-                f"(only axis 0 can be split); for shape {shape} it returned {result!r}"
-            )
-        return min(counts[0], shape[0])
-
-    def _create_parts(
-        self, initial_value: Any, shape: tuple, dtype: np.dtype, axis: int, num: int, name: str, trainable: bool
-    ) -> list[Variable]:
-        """Create the "div" parts of a variable along ``axis``, round robin, all at once."""
-        offsets = div_offsets(shape[axis], num)
-        parts = []
-        for i in range(num):
-            part_shape = shape[:axis] + (offsets[i + 1] - offsets[i],) + shape[axis + 1 :]
-            offset = (0,) * axis + (offsets[i],) + (0,) * (len(shape) - axis - 1)
-            if callable(initial_value):
-                part = _Part(self._next_ps(), f"{name}/part_{i}", initial_value, shape, dtype, part_shape, offset)
-            else:
-                cut = initial_value[(slice(None),) * axis + (slice(offsets[i], offsets[i + 1]),)]
-                part = _Part(self._next_ps(), f"{name}/part_{i}", cut, part_shape, dtype)
-            parts.append(part)
-        return self._create(parts, trainable, whole=(name, shape))
-
-    def _create(self, parts: list[_Part], trainable: bool, whole: tuple | None = None) -> list[Variable]:
-        """Create variables on their servers, one call each, all at once."""
-        from daskps.transport import Call, transport_for
-
-        calls = []
-        for p in parts:
-            if callable(p.initial_value):
-                value, init_fn = None, p.initial_value
-            else:
-                value = default_array(p.initial_value, "initial_value") if p.dtype is None else p.initial_value
-                init_fn = None
-                if p.shape is not None and np.shape(value) != p.shape:
-                    raise ValueError(f"initial_value has shape {np.shape(value)}, expected shape {p.shape}")
-            dtype_str = None if p.dtype is None else np.dtype(p.dtype).str
-            key = f"{p.name}@{uuid.uuid4().hex[:12]}"
-            args = (key, p.name, value, init_fn, p.shape, dtype_str, p.partition_shape, p.partition_offset)
-            calls.append(Call(p.ps, "create", args))
-        results = transport_for(self._client).call_many(calls)
-        if whole is not None and any(sliced for _, _, sliced in results):
-            _warn_if_large(*whole)
-        return [
-            Variable._from_store(_RemoteStore(c.ps, c.args[0], self._client), c.args[1], tuple(shape), dtype, trainable, self._token)
-            for c, (shape, dtype, _) in zip(calls, results)
-        ]
 
     def ps_stats(self) -> list[dict[str, Any]]:
         """Counters and sizes of every parameter server, one call per server."""
@@ -437,56 +362,6 @@ class ParameterServerStrategy(_SingleReplicaStrategy):
             f"<ParameterServerStrategy {where} num_ps={len(self._ps)} "
             f"num_workers={len(self._worker_names)}>"
         )
-
-
-@dataclasses.dataclass
-class _Part:
-    """One variable (or part of one) to create on server ``ps``."""
-
-    ps: PSRef
-    name: str
-    initial_value: Any
-    shape: tuple | None
-    dtype: Any
-    partition_shape: tuple | None = None
-    partition_offset: tuple | None = None
-
-
-def _warn_if_large(name: str, shape: tuple) -> None:
-    limit = float(dask.config.get("daskps.large-variable-elements", 1e9))
-    if np.prod(shape, dtype=np.float64) > limit:
-        warnings.warn(
-            f"variable {name!r} of shape {shape} is partitioned, but its initializer built the "
-            "whole value on each parameter server and sliced it, which needs memory for the "
-            "whole variable on every server. Give shape and dtype and an initializer that "
-            "accepts partition_shape and partition_offset to build each part alone.",
-            ResourceWarning,
-            stacklevel=4,
-        )
-
-
-def create_parts(
-    initializer: Any, shape: tuple, dtype: np.dtype, axis: int, num: int, name: str, trainable: bool
-) -> list[Variable]:
-    """The parts of a variable split "div"-style along ``axis`` (``create_partitioned_variables``).
-
-    In a ``ParameterServerStrategy`` scope they go to the servers round robin;
-    elsewhere they are local.
-    """
-    mode = context._current_mode()
-    if isinstance(mode.strategy, ParameterServerStrategy) and mode.replica_context is None:
-        if mode.strategy._client is None:
-            raise RuntimeError("variables can only be created on the coordinator, not inside a scheduled function")
-        return mode.strategy._create_parts(initializer, shape, dtype, axis, num, name, trainable)
-    offsets = div_offsets(shape[axis], num)
-    parts = []
-    for i in range(num):
-        part_shape = shape[:axis] + (offsets[i + 1] - offsets[i],) + shape[axis + 1 :]
-        offset = (0,) * axis + (offsets[i],) + (0,) * (len(shape) - axis - 1)
-        fn = initializer if callable(initializer) else None
-        value, _ = build_part(None if fn else initializer, fn, shape, dtype, part_shape, offset)
-        parts.append(Variable(value, trainable=trainable, name=f"{name}/part_{i}", dtype=dtype, shape=part_shape))
-    return parts
 
 
 _WORKER_VIEWS: dict[str, ParameterServerStrategy] = {}
