@@ -243,13 +243,12 @@ def _getitem(sv: ShardedVariable, index: Any) -> np.ndarray:
     if probe.size == 0:
         return np.zeros(probe.shape, sv.dtype)
     used = sum(_dims_used(x) for x in parts)
-    pos = len(parts)
+    pos = len(parts)  # where the index for axis 0 is (or an Ellipsis covering it)
     for i, x in enumerate(parts):
         if (x is Ellipsis and sv.ndim > used) or (x is not Ellipsis and _dims_used(x) > 0):
             pos = i
             break
     first = parts[pos] if pos < len(parts) and parts[pos] is not Ellipsis else slice(None)
-    basic = all(x is None or x is Ellipsis or isinstance(x, slice) or _is_int(x) for x in parts)
     n, offsets, shards = sv.shape[0], sv._offsets, sv._variables
     if _is_int(first):
         row = int(first) % n
@@ -257,27 +256,32 @@ def _getitem(sv: ShardedVariable, index: Any) -> np.ndarray:
         parts[pos] = row - offsets[s]
         return fetch([(shards[s], tuple(parts))])[0]
     if isinstance(first, slice):
-        pieces = _split_range(range(*first.indices(n)), offsets)
-        named = pos < len(parts) and parts[pos] is not Ellipsis
-        if basic:  # each shard applies the whole index; only the result travels
-            items = []
-            for s, local in pieces:
-                if named:
-                    parts[pos] = local
-                items.append((shards[s], tuple(parts)))
-            return np.concatenate(fetch(items), axis=sum(x is None for x in parts[:pos]))
-        rows = np.concatenate(fetch([(shards[s], local) for s, local in pieces]), axis=0)
-        if named:
-            parts[pos] = slice(None)
-        return rows[tuple(parts)]
+        return _get_slice(sv, parts, pos, first)
     if first.dtype == np.bool_:
-        touched = np.flatnonzero(first.reshape(n, -1).any(axis=1))
-        parts[pos] = first[touched]
-        return _unique_rows(shards, offsets, touched)[tuple(parts)]
-    wrapped = np.where(first < 0, first + n, first)
-    uniq, inverse = np.unique(wrapped.ravel(), return_inverse=True)
-    parts[pos] = inverse.reshape(first.shape)
-    return _unique_rows(shards, offsets, uniq)[tuple(parts)]
+        rows = np.flatnonzero(first.reshape(n, -1).any(axis=1))
+        parts[pos] = first[rows]
+    else:
+        rows, inverse = np.unique(np.where(first < 0, first + n, first).ravel(), return_inverse=True)
+        parts[pos] = inverse.reshape(first.shape)
+    return _unique_rows(shards, offsets, rows)[tuple(parts)]
+
+
+def _get_slice(sv: ShardedVariable, parts: list, pos: int, first: slice) -> np.ndarray:
+    """``sv[parts]`` where axis 0 is indexed by the slice ``first`` at ``parts[pos]``."""
+    pieces = _split_range(range(*first.indices(sv.shape[0])), sv._offsets)
+    named = pos < len(parts) and parts[pos] is not Ellipsis
+    if all(x is None or x is Ellipsis or isinstance(x, slice) or _is_int(x) for x in parts):
+        # Basic indexing: each shard applies the whole index; only the result travels.
+        items = []
+        for s, local in pieces:
+            if named:
+                parts[pos] = local
+            items.append((sv._variables[s], tuple(parts)))
+        return np.concatenate(fetch(items), axis=sum(x is None for x in parts[:pos]))
+    rows = np.concatenate(fetch([(sv._variables[s], local) for s, local in pieces]), axis=0)
+    if named:
+        parts[pos] = slice(None)
+    return rows[tuple(parts)]
 
 
 def _split_range(r: range, offsets: Sequence[int]) -> list[tuple[int, slice]]:
