@@ -19,8 +19,13 @@ class ArrayLike:
     __array_priority__ = 100
     __hash__ = None  # type: ignore[assignment]  # == is elementwise, as in TF2
 
-    shape: tuple[int, ...]
-    dtype: np.dtype
+    @property
+    def shape(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    @property
+    def dtype(self) -> np.dtype:
+        raise NotImplementedError
 
     def numpy(self) -> np.ndarray:
         raise NotImplementedError
@@ -157,6 +162,10 @@ def _binary(op: Any, reflected: bool = False):
     return lambda self, other: op(self.numpy(), np.asarray(other))
 
 
+def _unary(op: Any):
+    return lambda self: op(self.numpy())
+
+
 for _name, _op in [
     ("add", operator.add), ("sub", operator.sub), ("mul", operator.mul),
     ("truediv", operator.truediv), ("floordiv", operator.floordiv), ("mod", operator.mod),
@@ -170,5 +179,5 @@ for _name, _op in [
     ("ge", operator.ge), ("eq", operator.eq), ("ne", operator.ne),
 ]:
     setattr(ArrayLike, f"__{_name}__", _binary(_op))
-for _name, _op in [("neg", operator.neg), ("pos", operator.pos), ("abs", operator.abs), ("invert", operator.invert)]:
-    setattr(ArrayLike, f"__{_name}__", (lambda op: lambda self: op(self.numpy()))(_op))
+for _name, _unary_op in [("neg", operator.neg), ("pos", operator.pos), ("abs", operator.abs), ("invert", operator.invert)]:
+    setattr(ArrayLike, f"__{_name}__", _unary(_unary_op))

@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from distributed import Client
 from distributed.client import FutureCancelledError
 from distributed.utils import CancelledError as _DaskCancelled
 
@@ -161,7 +162,10 @@ class ClusterCoordinator:
 
     def _setup(self, strategy: ParameterServerStrategy) -> None:
         self._strategy = strategy
-        self._client = strategy.client
+        client = strategy.client
+        assert client is not None  # checked in __new__
+        self._client: Client = client
+        self._loop: Any = client.loop
         self._strategy_blob = dumps_or_explain(strategy, "strategy")
         self._cond = threading.Condition()
         self._pending: dict[str, RemoteValue] = {}
@@ -222,7 +226,7 @@ class ClusterCoordinator:
             wake = not self._watch_queued
             self._watch_queued = True
         if wake:  # one loop wake-up serves every schedule call made meanwhile
-            self._client.loop.add_callback(self._watch_batch)
+            self._loop.add_callback(self._watch_batch)
         return remote
 
     def _watch_batch(self) -> None:

@@ -154,7 +154,7 @@ def create_parts(
     mode = context._current_mode()
     creator = getattr(mode.strategy, "_variable_creator", None)
     if creator is not None and mode.replica_context is None:
-        if mode.strategy._client is None:
+        if getattr(mode.strategy, "_client", None) is None:
             raise RuntimeError("variables can only be created on the coordinator, not inside a scheduled function")
         return create_div_parts(mode.strategy, initializer, shape, dtype, axis, num, name, trainable)
     parts = []

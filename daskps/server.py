@@ -72,7 +72,7 @@ def build_part(
     offset = None if partition_offset is None else tuple(partition_offset)
     if init_fn is not None:
         value = call_initializer(init_fn, full, dtype, part, offset)
-    if part is None or part == full or np.shape(value) != full:
+    if part is None or offset is None or part == full or np.shape(value) != full:
         return value, False
     return np.asarray(value)[tuple(slice(o, o + n) for o, n in zip(offset, part))], True
 

@@ -248,7 +248,7 @@ def _getitem(sv: ShardedVariable, index: Any) -> np.ndarray:
         if (x is Ellipsis and sv.ndim > used) or (x is not Ellipsis and _dims_used(x) > 0):
             pos = i
             break
-    first = parts[pos] if pos < len(parts) and parts[pos] is not Ellipsis else slice(None)
+    first: Any = parts[pos] if pos < len(parts) and parts[pos] is not Ellipsis else slice(None)
     n, offsets, shards = sv.shape[0], sv._offsets, sv._variables
     if _is_int(first):
         row = int(first) % n

@@ -166,6 +166,8 @@ def default_strategy() -> _DefaultStrategy:
 class ParameterServerExtended(_SingleReplicaExtended):
     """``strategy.extended`` of a :class:`ParameterServerStrategy`."""
 
+    _strategy: ParameterServerStrategy
+
     def __init__(self, strategy: ParameterServerStrategy):
         super().__init__(strategy)
         self._colocate_with: contextvars.ContextVar[Variable | None] = contextvars.ContextVar(
@@ -237,6 +239,7 @@ class ParameterServerStrategy(_SingleReplicaStrategy):
 
     def __init__(self, cluster_resolver: Any = None, variable_partitioner: Any = None):
         super().__init__()
+        self._resolver: DaskClusterResolver | None
         self._resolver, self._owns_client = _resolve(cluster_resolver)
         if variable_partitioner is not None and not callable(variable_partitioner):
             raise TypeError(
@@ -276,11 +279,11 @@ class ParameterServerStrategy(_SingleReplicaStrategy):
         for fut in self._ps_futures:
             fut.result()
         self._ps = [
-            PSRef(address=addr, actor_key=fut.key, task_id=i)
+            PSRef(address=addr, actor_key=str(fut.key), task_id=i)
             for i, ((_, addr), fut) in enumerate(zip(ps_workers, self._ps_futures))
         ]
         self._variable_count = 0
-        self._coordinator = None
+        self._coordinator: Any = None
 
     # -- pickling: a worker-side view ------------------------------------------
     def __reduce__(self):

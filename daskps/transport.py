@@ -136,7 +136,7 @@ def transport_for(client: Any = None) -> Transport:
         cached = getattr(worker, "_daskps_transport", None)
         if cached is None:
             cached = Transport(worker.loop, worker.rpc)
-            worker._daskps_transport = cached
+            worker._daskps_transport = cached  # type: ignore[attr-defined]
         return cached
     if client is None:
         client = default_client()
