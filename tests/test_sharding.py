@@ -364,3 +364,15 @@ def test_training_code_reads_shards_from_the_worker(partitioned, client):
     for i in range(4):
         want[[i, 19 - i]] += 1
     np.testing.assert_array_equal(table.numpy(), want)
+
+
+def test_read_values_mixes_sharded_and_plain_variables(strategy):
+    full = np.arange(12, dtype=np.float32).reshape(6, 2)
+    sv = sharded(strategy, full, [2, 2, 2])
+    with strategy.scope():
+        v = dps.Variable([1.0, 2.0])
+    before = calls(strategy)
+    got = dps.read_values([sv, v])
+    assert [b - a for a, b in zip(before, calls(strategy))] == [1, 1]
+    np.testing.assert_array_equal(got[0], full)
+    np.testing.assert_array_equal(got[1], [1.0, 2.0])
