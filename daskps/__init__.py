@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from daskps import errors, partitioners
+from daskps import errors, metrics, optimizers, partitioners
 from daskps.cluster import DaskClusterResolver, LocalPSCluster
 from daskps.context import (
     InputContext,
@@ -57,6 +57,8 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "metrics",
+    "optimizers",
     "partitioners",
     "read_values",
 ]

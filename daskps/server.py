@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from daskps.indexed_slices import IndexedSlices
 from daskps.updates import apply_update, check_update
 
 
@@ -121,6 +122,7 @@ class ParameterServer:
         self.task_id = task_id
         self._values: dict[str, np.ndarray] = {}
         self._names: dict[str, str] = {}
+        self._slots: dict[str, dict[str, dict[str, np.ndarray]]] = {}  # optimizer -> variable key -> slots
         self.reads = 0
         self.bytes_read = 0
         self.updates = 0
@@ -164,6 +166,8 @@ class ParameterServer:
         for key in keys:
             self._values.pop(key, None)
             self._names.pop(key, None)
+            for slots in self._slots.values():
+                slots.pop(key, None)
 
     # -- reads --------------------------------------------------------------
     def _get(self, key: str) -> np.ndarray:
@@ -203,6 +207,31 @@ class ParameterServer:
         self.calls["update"] += 1
         for arr, op, payload in checked:
             apply_update(arr, op, payload)
+        self.updates += len(checked)
+
+    # -- optimizers -------------------------------------------------------------
+    def apply_gradients(self, optimizer: Any, items: Sequence[tuple[str, str, Any]], bump: str | None = None) -> None:
+        """Apply ``(key, kind, gradient)`` with ``optimizer``; slots stay here.
+
+        ``kind`` is ``"dense"`` or ``"rows"`` (``(indices, values)``). Every
+        gradient is checked first; ``bump`` names a counter to add 1 to.
+        """
+        from daskps.optimizers import check_gradient
+
+        checked = []
+        for key, kind, grad in items:
+            arr = self._get(key)
+            name = self._names[key]
+            got_kind, payload = check_gradient(arr.shape, arr.dtype, name, IndexedSlices(grad[1], grad[0]) if kind == "rows" else grad)
+            checked.append((key, arr, got_kind, payload))
+        if bump is not None:
+            self._get(bump)
+        slots = self._slots.setdefault(optimizer.slot_key, {})
+        for key, arr, kind, payload in checked:
+            slots[key] = optimizer.apply(arr, slots.get(key), kind, payload)
+        if bump is not None:
+            self._values[bump] += 1
+        self.calls["apply_gradients"] += 1
         self.updates += len(checked)
 
     # -- introspection ------------------------------------------------------
