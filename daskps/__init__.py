@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from daskps import errors, metrics, optimizers, partitioners
+from daskps.checkpoint import Checkpoint, CheckpointManager
 from daskps.cluster import DaskClusterResolver, LocalPSCluster
 from daskps.context import (
     InputContext,
@@ -33,6 +34,8 @@ from daskps.variables import Variable, read_values
 __version__ = "0.1.0"
 
 __all__ = [
+    "Checkpoint",
+    "CheckpointManager",
     "ClusterCoordinator",
     "DaskClusterResolver",
     "IndexedSlices",

@@ -188,12 +188,12 @@ def _split_gradient(var: Any, grad: Any) -> list[tuple[Variable, str, Any]]:
         return [(v, "dense", payload[a:b]) for v, a, b in var._spans()]
     idx, values = payload
     owner = np.searchsorted(var._offsets, idx, side="right") - 1
-    out = []
-    for s, (v, a, _) in enumerate(var._spans()):
-        mine = owner == s
-        if mine.any():
-            out.append((v, "rows", (idx[mine] - a, values[mine])))
-    return out
+    # Every shard gets its part, even an empty one, so that all shards count the
+    # same steps and Adam's bias correction does not depend on the sharding.
+    return [
+        (v, "rows", (idx[owner == s] - a, values[owner == s]))
+        for s, (v, a, _) in enumerate(var._spans())
+    ]
 
 
 class SGD(Optimizer):

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from daskps import ckpt_io
 from daskps.indexed_slices import IndexedSlices
 from daskps.updates import apply_update, check_update
 
@@ -97,7 +98,7 @@ def _materialize(value: Any, dtype: np.dtype | None, shape: tuple | None, name: 
     return arr
 
 
-class ParameterServer:
+class ParameterServer(ckpt_io.Holder):
     """Holds variables (and variable shards) of one parameter-server task.
 
     Parameters
@@ -123,6 +124,7 @@ class ParameterServer:
         self._values: dict[str, np.ndarray] = {}
         self._names: dict[str, str] = {}
         self._slots: dict[str, dict[str, dict[str, np.ndarray]]] = {}  # optimizer -> variable key -> slots
+        self._staged: dict[str, list] = {}  # restores read but not yet committed
         self.reads = 0
         self.bytes_read = 0
         self.updates = 0
@@ -233,6 +235,36 @@ class ParameterServer:
             self._values[bump] += 1
         self.calls["apply_gradients"] += 1
         self.updates += len(checked)
+
+    # -- checkpoints ------------------------------------------------------------
+    def array(self, key: str) -> np.ndarray:
+        return self._get(key)
+
+    def slot_state(self, slot_key: str, key: str) -> dict | None:
+        return self._slots.get(slot_key, {}).get(key)
+
+    def set_slot_state(self, slot_key: str, key: str, state: dict | None) -> None:
+        per_var = self._slots.setdefault(slot_key, {})
+        if state is None:
+            per_var.pop(key, None)
+        else:
+            per_var[key] = state
+
+    def save(self, base: str, specs: list) -> list[dict]:
+        """Write this server's checkpoint pieces straight to ``base`` (an fsspec URL)."""
+        self.calls["save"] += 1
+        return ckpt_io.save_specs(self, base, specs)
+
+    def stage_restore(self, token: str, base: str, specs: list) -> None:
+        """Read the pieces of a restore; nothing changes until :meth:`commit_restore`."""
+        self._staged[token] = ckpt_io.stage_specs(self, base, specs)
+
+    def commit_restore(self, token: str) -> None:
+        ckpt_io.commit_staged(self, self._staged.pop(token))
+        self.calls["restore"] += 1
+
+    def abort_restore(self, token: str) -> None:
+        self._staged.pop(token, None)
 
     # -- introspection ------------------------------------------------------
     def stats(self) -> dict[str, Any]:

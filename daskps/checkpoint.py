@@ -1,0 +1,355 @@
+"""Checkpoints written by the parameter servers themselves, committed by a manifest.
+
+``Checkpoint(**objects)`` names every tensor by its path among the objects
+(``model/w``, ``opt/iterations``, ``w/.OPTIMIZER_SLOT/opt/m``). On save each
+server writes the pieces it holds, straight to the fsspec path, all servers
+at once; the coordinator then writes ``manifest.json`` (to a temporary name,
+then renamed), which is the commit point: a save that dies before it leaves
+no checkpoint, and the previous one untouched.
+
+A sharded variable is one tensor stored in pieces; a restore reads, for each
+shard, just the rows it needs, so it works into any number of shards (or a
+plain variable), and optimizer slots follow their variable. A restore first
+checks every name, shape and dtype, then has every server read its part,
+and only when all reads succeeded do they put the values in place.
+
+>>> import daskps as dps, tempfile
+>>> w = dps.Variable([1.0, 2.0])
+>>> ckpt = dps.Checkpoint(model={"w": w})
+>>> path = ckpt.save(tempfile.mkdtemp() + "/ckpt")
+>>> _ = w.assign([0.0, 0.0])
+>>> _ = ckpt.restore(path)
+>>> w.numpy()
+array([1., 2.], dtype=float32)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import fsspec
+import numpy as np
+
+from daskps import ckpt_io
+from daskps.metrics import Metric
+from daskps.optimizers import Optimizer
+from daskps.sharding import ShardedVariable
+from daskps.transport import Call, transport_for
+from daskps.variables import Variable, _by_server
+
+__all__ = ["Checkpoint", "CheckpointManager"]
+
+MANIFEST = "manifest.json"
+
+
+class _Tensor:
+    def __init__(self, parts: list[tuple[Variable, int]], slotted: bool):
+        self.parts = parts
+        self.slotted = slotted
+        first = parts[0][0]
+        self.dtype = first.dtype
+        rows = sum(v.shape[0] for v, _ in parts) if first.shape else None
+        self.shape = first.shape if rows is None else (rows,) + first.shape[1:]
+
+
+def _collect(objects: dict[str, Any]) -> tuple[dict[str, _Tensor], dict[str, Optimizer]]:
+    tensors: dict[str, _Tensor] = {}
+    optimizers: dict[str, Optimizer] = {}
+
+    def walk(obj: Any, path: str) -> None:
+        if isinstance(obj, ShardedVariable):
+            tensors[path] = _Tensor([(v, a) for v, a, _ in obj._spans()], slotted=True)
+        elif isinstance(obj, Variable):
+            tensors[path] = _Tensor([(obj, 0)], slotted=True)
+        elif isinstance(obj, Optimizer):
+            optimizers[path] = obj
+            tensors[f"{path}/iterations"] = _Tensor([(obj.iterations, 0)], slotted=False)
+        elif isinstance(obj, Metric):
+            for v in obj.variables:
+                tensors[f"{path}/{v.name.rsplit('/', 1)[-1]}"] = _Tensor([(v, 0)], slotted=False)
+        elif isinstance(obj, dict):
+            for key in sorted(obj):
+                if not isinstance(key, str) or not key or "/" in key:
+                    raise TypeError(f"checkpoint keys must be non-empty str without '/', got {key!r} in {path!r}")
+                walk(obj[key], f"{path}/{key}")
+        elif isinstance(obj, (list, tuple)):
+            for i, item in enumerate(obj):
+                walk(item, f"{path}/{i}")
+        else:
+            raise TypeError(
+                f"checkpoint object {path!r} is a {type(obj).__name__}; expected a Variable, ShardedVariable, "
+                "optimizer, metric, or a dict/list/tuple of them"
+            )
+
+    for name, obj in objects.items():
+        walk(obj, name)
+    return tensors, optimizers
+
+
+class _LocalHolder(ckpt_io.Holder):
+    """The checkpoint steps for variables kept in this process."""
+
+    def __init__(self) -> None:
+        self.stores: dict[str, Any] = {}
+
+    def add(self, var: Variable) -> str:
+        key = f"local-{id(var._store)}"
+        self.stores[key] = var._store
+        return key
+
+    def array(self, key: str) -> np.ndarray:
+        return self.stores[key].value
+
+    def slot_state(self, slot_key: str, key: str) -> dict | None:
+        return getattr(self.stores[key], "slots", {}).get(slot_key)
+
+    def set_slot_state(self, slot_key: str, key: str, state: dict | None) -> None:
+        store = self.stores[key]
+        store.slots = getattr(store, "slots", {})
+        if state is None:
+            store.slots.pop(slot_key, None)
+        else:
+            store.slots[slot_key] = state
+
+
+def _group(items: list[tuple[Variable, Any]]) -> tuple[list[tuple[Any, list]], _LocalHolder, list, Any]:
+    """Per-server ``(ps, [spec, ...])`` with remote keys, plus local specs and their holder."""
+    by_ps, local, client = _by_server([v for v, _ in items])
+    remote = [(ps, [(items[i][0]._store.key, *items[i][1]) for i in idx]) for ps, idx in by_ps.items()]
+    holder = _LocalHolder()
+    local_specs = [(holder.add(items[i][0]), *items[i][1]) for i in local]
+    return remote, holder, local_specs, client
+
+
+class _LoadStatus:
+    """What ``restore`` returns; a restore that returns has matched everything."""
+
+    def assert_consumed(self) -> _LoadStatus:
+        return self
+
+    assert_existing_objects_matched = expect_partial = assert_consumed
+
+
+class Checkpoint:
+    """Save and restore variables, sharded variables, optimizers and metrics.
+
+    Parameters
+    ----------
+    **objects
+        Named objects, or dicts/lists/tuples of them, nested as you like.
+    """
+
+    def __init__(self, **objects: Any):
+        _collect(objects)  # refuse unsupported objects now
+        self._objects = objects
+        self.save_counter = 0
+
+    # -- saving -----------------------------------------------------------------
+    def save(self, file_prefix: str) -> str:
+        """Write to ``f"{file_prefix}-{n}"`` with ``n = save_counter + 1``; return that path."""
+        path = f"{file_prefix}-{self.save_counter + 1}"
+        self.save_counter += 1
+        return self.write(path)
+
+    def write(self, path: str) -> str:
+        """Write a checkpoint to ``path`` (an fsspec URL or local directory); return it."""
+        fs, root = fsspec.core.url_to_fs(path)
+        _clear(fs, root, path)
+        tensors, optimizers = _collect(self._objects)
+        items = []
+        for name, t in tensors.items():
+            opts = [(p, o.slot_key) for p, o in optimizers.items()] if t.slotted else []
+            items += [(v, (name, offset, opts)) for v, offset in t.parts]
+        remote, holder, local_specs, client = _group(items)
+        records = ckpt_io.save_specs(holder, path, local_specs) if local_specs else []
+        if remote:
+            for result in transport_for(client).call_many([Call(ps, "save", (path, specs)) for ps, specs in remote]):
+                records += result
+        manifest = {"format": "daskps-checkpoint/1", "save_counter": self.save_counter, "tensors": _tensors(records)}
+        fs.pipe_file(f"{root}/{MANIFEST}.tmp", json.dumps(manifest, indent=1).encode())
+        fs.mv(f"{root}/{MANIFEST}.tmp", f"{root}/{MANIFEST}")  # the commit point
+        return path
+
+    # -- restoring --------------------------------------------------------------
+    def restore(self, save_path: str) -> _LoadStatus:
+        """Restore every object (and ``save_counter``) from ``save_path``, or change nothing."""
+        manifest = self._restore(save_path)
+        self.save_counter = int(manifest.get("save_counter", self.save_counter))
+        return _LoadStatus()
+
+    def read(self, save_path: str) -> _LoadStatus:
+        """Like :meth:`restore`, leaving ``save_counter`` alone."""
+        self._restore(save_path)
+        return _LoadStatus()
+
+    def _restore(self, path: str) -> dict:
+        fs, root = fsspec.core.url_to_fs(path)
+        try:
+            manifest = json.loads(fs.cat_file(f"{root}/{MANIFEST}"))
+        except FileNotFoundError:
+            raise ValueError(f"no checkpoint at {path!r}: no {MANIFEST} (never written, or its save did not finish)") from None
+        tensors, optimizers = _collect(self._objects)
+        saved = manifest["tensors"]
+        _check_match(tensors, saved, path)
+        items = []
+        for name, t in tensors.items():
+            for v, offset in t.parts:
+                stop = offset + (v.shape[0] if v.shape else 1)
+                slots = {o.slot_key: _saved_slots(saved, name, p) for p, o in optimizers.items()} if t.slotted else {}
+                pieces = saved[name]["pieces"]
+                items.append((v, ({"start": offset, "stop": stop, "pieces": pieces, "slots": slots},)))
+        _two_phase_restore(path, items)
+        return manifest
+
+    def __repr__(self) -> str:
+        return f"<daskps.Checkpoint {sorted(self._objects)} save_counter={self.save_counter}>"
+
+
+def _clear(fs: Any, root: str, path: str) -> None:
+    """Empty ``root`` for a new checkpoint; refuse to touch anything that is not one."""
+    if not fs.exists(root):
+        fs.makedirs(root, exist_ok=True)
+        return
+    names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)]
+    if any(not (n.endswith(".npy") or n.startswith(MANIFEST)) for n in names):
+        raise ValueError(f"{path!r} exists and is not a daskps checkpoint; refusing to overwrite it")
+    fs.rm(root, recursive=True)
+    fs.makedirs(root, exist_ok=True)
+
+
+def _tensors(records: list[dict]) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for rec in records:
+        t = out.setdefault(rec["tensor"], {"dtype": rec["dtype"], "pieces": [], "step": None})
+        t["pieces"].append({k: rec[k] for k in ("file", "offset", "rows", "shape")})
+        if "step" in rec:
+            t["step"] = max(t["step"] or 0, rec["step"])
+    for t in out.values():
+        t["pieces"].sort(key=lambda p: p["offset"])
+        first = t["pieces"][0]["shape"]
+        t["shape"] = first if not first else [sum(p["rows"] for p in t["pieces"])] + first[1:]
+    return out
+
+
+def _check_match(tensors: dict[str, _Tensor], saved: dict, path: str) -> None:
+    problems = []
+    for name, t in tensors.items():
+        entry = saved.get(name)
+        if entry is None:
+            problems.append(f"{name}: not in the checkpoint")
+        elif tuple(entry["shape"]) != t.shape:
+            problems.append(f"{name}: checkpoint has shape {tuple(entry['shape'])}, object has {t.shape}")
+        elif not np.can_cast(np.dtype(entry["dtype"]), t.dtype, casting="same_kind"):
+            problems.append(f"{name}: checkpoint has dtype {np.dtype(entry['dtype'])}, object has {t.dtype}")
+        for slot_name, slot in saved.items():
+            if t.slotted and slot_name.startswith(f"{name}/{ckpt_io.SLOT}/") and tuple(slot["shape"]) != t.shape:
+                problems.append(f"{slot_name}: checkpoint has shape {tuple(slot['shape'])}, variable has {t.shape}")
+    if problems:
+        unused = sorted(n for n in saved if n not in tensors and f"/{ckpt_io.SLOT}/" not in n)
+        hint = f"\n  (in the checkpoint but not asked for: {', '.join(unused)})" if unused else ""
+        raise ValueError(f"cannot restore from {path!r}; nothing was changed:\n  " + "\n  ".join(problems) + hint)
+
+
+def _saved_slots(saved: dict, tensor: str, opt_path: str) -> dict | None:
+    prefix = f"{tensor}/{ckpt_io.SLOT}/{opt_path}/"
+    found = {n[len(prefix):]: t for n, t in saved.items() if n.startswith(prefix)}
+    if not found:
+        return None
+    return {"step": max(t["step"] or 0 for t in found.values()), "pieces": {s: t["pieces"] for s, t in found.items()}}
+
+
+def _two_phase_restore(path: str, items: list) -> None:
+    remote, holder, local_specs, client = _group(items)
+    token = uuid.uuid4().hex
+    transport = transport_for(client) if remote else None
+    local_staged = []
+    try:
+        local_staged = ckpt_io.stage_specs(holder, path, local_specs)
+        if transport is not None:
+            transport.call_many([Call(ps, "stage_restore", (token, path, specs)) for ps, specs in remote])
+    except BaseException:
+        if transport is not None:
+            transport.call_many([Call(ps, "abort_restore", (token,)) for ps, _ in remote])
+        raise
+    if transport is not None:
+        transport.call_many([Call(ps, "commit_restore", (token,)) for ps, _ in remote])
+    ckpt_io.commit_staged(holder, local_staged)
+
+
+class CheckpointManager:
+    """Numbered checkpoints in ``directory``, keeping the newest ``max_to_keep``.
+
+    Parameters
+    ----------
+    checkpoint : Checkpoint
+    directory : str
+        A local directory or any fsspec URL.
+    max_to_keep : int or None
+        ``None`` keeps every checkpoint.
+    checkpoint_name : str
+        Checkpoints are ``directory/{checkpoint_name}-{n}``.
+    init_fn : callable, optional
+        Called by :meth:`restore_or_initialize` when there is nothing to restore.
+    """
+
+    def __init__(self, checkpoint: Checkpoint, directory: str, max_to_keep: int | None = 5,
+                 checkpoint_name: str = "ckpt", init_fn: Callable[[], Any] | None = None):
+        if not isinstance(checkpoint, Checkpoint):
+            raise TypeError(f"checkpoint must be a daskps.Checkpoint, got {type(checkpoint).__name__}")
+        if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
+            raise ValueError(f"max_to_keep must be a positive int or None, got {max_to_keep!r}")
+        self._checkpoint = checkpoint
+        self._fs, self._root = fsspec.core.url_to_fs(directory)
+        self._url = directory.rstrip("/")
+        self._name = checkpoint_name
+        self._max_to_keep = max_to_keep
+        self._init_fn = init_fn
+
+    @property
+    def directory(self) -> str:
+        return self._url
+
+    def _numbers(self) -> list[int]:
+        """Numbers of the committed checkpoints (those with a manifest), ascending."""
+        pattern = re.compile(rf"{re.escape(self._name)}-(\d+)/{MANIFEST}$")
+        found = self._fs.glob(f"{self._root}/{self._name}-*/{MANIFEST}")
+        return sorted(int(m.group(1)) for p in found if (m := pattern.search(p)))
+
+    @property
+    def checkpoints(self) -> list[str]:
+        """Paths of the committed checkpoints, oldest first."""
+        return [f"{self._url}/{self._name}-{n}" for n in self._numbers()]
+
+    @property
+    def latest_checkpoint(self) -> str | None:
+        paths = self.checkpoints
+        return paths[-1] if paths else None
+
+    def save(self, checkpoint_number: int | None = None) -> str:
+        """Write the next checkpoint, drop the oldest beyond ``max_to_keep``; return its path."""
+        numbers = self._numbers()
+        if checkpoint_number is None:
+            checkpoint_number = max([self._checkpoint.save_counter, *numbers]) + 1
+        self._checkpoint.save_counter = int(checkpoint_number)
+        path = self._checkpoint.write(f"{self._url}/{self._name}-{checkpoint_number}")
+        if self._max_to_keep is not None:
+            for n in self._numbers()[: -self._max_to_keep]:
+                self._fs.rm(f"{self._root}/{self._name}-{n}", recursive=True)
+        return path
+
+    def restore_or_initialize(self) -> str | None:
+        """Restore the latest checkpoint and return its path; else call ``init_fn`` and return None."""
+        latest = self.latest_checkpoint
+        if latest is not None:
+            self._checkpoint.restore(latest)
+            return latest
+        if self._init_fn is not None:
+            self._init_fn()
+        return None
+
+    def __repr__(self) -> str:
+        return f"<daskps.CheckpointManager {self._url!r} checkpoints={len(self._numbers())}>"

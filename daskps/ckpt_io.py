@@ -1,0 +1,169 @@
+"""Reading and writing checkpoint pieces, wherever the arrays live.
+
+A checkpoint holds *tensors* (a variable, a sharded variable taken whole, an
+optimizer slot, a metric's state), each stored as one or more *pieces*: the
+rows ``[offset, offset + rows)`` of the tensor in one ``.npy`` file. Pieces
+are written by the process that holds the rows (a parameter server, or the
+coordinator for local variables) straight to the fsspec path, and read back
+the same way, taking only the rows a shard needs (``.npy`` rows are
+contiguous, so a read is one ranged request).
+
+>>> import fsspec
+>>> fs = fsspec.filesystem("memory")
+>>> rec = write_piece(fs, "/doc", "w", 2, np.arange(6.0).reshape(3, 2))
+>>> rec["file"], rec["offset"], rec["rows"]
+('w@2.npy', 2, 3)
+>>> read_rows(fs, "/doc", 3, 5, [rec], (2,), np.dtype("float64"))
+array([[2., 3.],
+       [4., 5.]])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import quote
+
+import numpy as np
+
+SLOT = ".OPTIMIZER_SLOT"
+
+
+def slot_tensor(tensor: str, optimizer_path: str, slot: str) -> str:
+    """The name of ``optimizer_path``'s slot ``slot`` for ``tensor`` (TensorFlow's scheme)."""
+    return f"{tensor}/{SLOT}/{optimizer_path}/{slot}"
+
+
+def write_piece(fs: Any, root: str, tensor: str, offset: int, array: np.ndarray) -> dict[str, Any]:
+    """Write ``array`` as rows from ``offset`` of ``tensor``; return its record."""
+    name = f"{quote(tensor, safe='')}@{offset}.npy"
+    arr = array if array.flags.c_contiguous else np.array(array, order="C")  # ascontiguousarray turns 0-d into 1-d
+    with fs.open(f"{root}/{name}", "wb") as f:
+        np.lib.format.write_array(f, arr, allow_pickle=False)
+    return {
+        "tensor": tensor,
+        "file": name,
+        "offset": int(offset),
+        "rows": int(arr.shape[0]) if arr.ndim else 1,
+        "shape": list(arr.shape),
+        "dtype": arr.dtype.str,
+    }
+
+
+def write_with_slots(
+    fs: Any, root: str, tensor: str, offset: int, array: np.ndarray, slot_states: list[tuple[str, dict | None]]
+) -> list[dict[str, Any]]:
+    """Write a variable piece and, for each ``(optimizer_path, slots)``, its slot pieces."""
+    records = [write_piece(fs, root, tensor, offset, array)]
+    for opt_path, state in slot_states:
+        if state is None:
+            continue
+        for slot, value in sorted(state.items()):
+            if slot == "step":
+                continue
+            rec = write_piece(fs, root, slot_tensor(tensor, opt_path, slot), offset, value)
+            rec["step"] = int(state["step"])
+            records.append(rec)
+    return records
+
+
+def _read_npy_rows(fs: Any, path: str, start: int, stop: int) -> np.ndarray:
+    with fs.open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran, dtype = read_header(f)
+        if fortran:
+            raise ValueError(f"{path} is stored in Fortran order; daskps writes C order only")
+        header = f.tell()
+        if not shape:
+            return np.frombuffer(f.read(dtype.itemsize), dtype).reshape(())
+        row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+        f.seek(header + start * row_bytes)
+        data = f.read((stop - start) * row_bytes)
+    return np.frombuffer(data, dtype).reshape((stop - start,) + tuple(shape[1:]))
+
+
+def read_rows(
+    fs: Any, root: str, start: int, stop: int, pieces: list[dict], row_shape: tuple, dtype: np.dtype
+) -> np.ndarray:
+    """Rows ``[start, stop)`` of a tensor stored as ``pieces`` (any split)."""
+    if not row_shape and len(pieces) == 1 and pieces[0]["shape"] == []:
+        return _read_npy_rows(fs, f"{root}/{pieces[0]['file']}", 0, 1).astype(dtype)
+    out = np.empty((stop - start,) + tuple(row_shape), dtype)
+    filled = 0
+    for p in sorted(pieces, key=lambda p: p["offset"]):
+        lo, hi = max(start, p["offset"]), min(stop, p["offset"] + p["rows"])
+        if hi > lo:
+            out[lo - start : hi - start] = _read_npy_rows(fs, f"{root}/{p['file']}", lo - p["offset"], hi - p["offset"])
+            filled += hi - lo
+    if filled != stop - start:
+        raise ValueError(f"checkpoint pieces of {pieces[0]['tensor']!r} do not cover rows {start}:{stop}")
+    return out
+
+
+def load_target(fs: Any, root: str, spec: dict, shape: tuple, dtype: np.dtype) -> tuple[np.ndarray, dict]:
+    """Read one restore target: its rows, and the slots of each optimizer named in ``spec``.
+
+    ``spec``: ``{"start", "stop", "pieces", "slots": {slot_key: {"step", "pieces": {slot: [...]}} | None}}``.
+    Returns the value (of ``shape``) and ``{slot_key: state or None}``.
+    """
+    start, stop = spec["start"], spec["stop"]
+    value = read_rows(fs, root, start, stop, spec["pieces"], shape[1:], dtype).reshape(shape)
+    slots: dict[str, Any] = {}
+    for slot_key, saved in spec["slots"].items():
+        if saved is None:
+            slots[slot_key] = None
+            continue
+        state = {
+            slot: read_rows(fs, root, start, stop, pieces, shape[1:], dtype).reshape(shape).copy()
+            for slot, pieces in saved["pieces"].items()
+        }
+        slots[slot_key] = dict(state, step=np.int64(saved["step"]))
+    return value, slots
+
+
+# -- the same steps for a parameter server and for local variables -------------------
+class Holder:
+    """Where arrays and optimizer slots live: a parameter server, or this process."""
+
+    def array(self, key: str) -> np.ndarray:
+        raise NotImplementedError
+
+    def slot_state(self, slot_key: str, key: str) -> dict | None:
+        raise NotImplementedError
+
+    def set_slot_state(self, slot_key: str, key: str, state: dict | None) -> None:
+        raise NotImplementedError
+
+
+def save_specs(holder: Holder, base: str, specs: list) -> list[dict]:
+    """Write ``(key, tensor, offset, [(optimizer_path, slot_key)])`` pieces; return their records."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(base)
+    fs.makedirs(root, exist_ok=True)
+    records = []
+    for key, tensor, offset, opts in specs:
+        states = [(opt_path, holder.slot_state(slot_key, key)) for opt_path, slot_key in opts]
+        records += write_with_slots(fs, root, tensor, offset, holder.array(key), states)
+    return records
+
+
+def stage_specs(holder: Holder, base: str, specs: list) -> list:
+    """Read ``(key, spec)`` targets (see :func:`load_target`) without changing anything."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(base)
+    staged = []
+    for key, spec in specs:
+        arr = holder.array(key)
+        value, slots = load_target(fs, root, spec, arr.shape, arr.dtype)
+        staged.append((key, value, slots))
+    return staged
+
+
+def commit_staged(holder: Holder, staged: list) -> None:
+    """Put staged values and slots in place (nothing here can fail on valid input)."""
+    for key, value, slots in staged:
+        holder.array(key)[...] = value
+        for slot_key, state in slots.items():
+            holder.set_slot_state(slot_key, key, state)
