@@ -113,7 +113,7 @@ class Mean(Metric):
 class Accuracy(Mean):
     """How often ``y_pred`` equals ``y_true``."""
 
-    def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
+    def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:  # type: ignore[override]
         y_true, y_pred = np.asarray(y_true), np.asarray(y_pred)
         if y_true.shape != y_pred.shape:
             if y_true.size != y_pred.size:
@@ -125,7 +125,7 @@ class Accuracy(Mean):
 class SparseCategoricalAccuracy(Mean):
     """How often ``argmax(y_pred, -1)`` equals the integer label ``y_true``."""
 
-    def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
+    def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:  # type: ignore[override]
         y_pred = np.asarray(y_pred)
         predicted = np.argmax(y_pred, axis=-1)
         y_true = np.asarray(y_true)

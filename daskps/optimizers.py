@@ -38,7 +38,7 @@ from daskps.variables import Variable, _by_server
 
 __all__ = ["SGD", "Adagrad", "Adam", "Optimizer"]
 
-State = dict[str, np.ndarray]
+State = dict[str, Any]
 
 
 def _positive(value: Any, arg: str, allow_zero: bool = False) -> float:
