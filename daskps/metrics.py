@@ -10,7 +10,7 @@ scheduled functions on any trainer (one update call to that server);
 >>> m.update_state([1.0, 2.0, 3.0])
 >>> m.update_state([10.0], sample_weight=[3.0])
 >>> float(m.result())
-6.5
+6.0
 """
 
 from __future__ import annotations
