@@ -28,6 +28,7 @@ from daskps.datasets import PerWorkerDataset, PerWorkerIterator, PerWorkerValues
 from daskps.indexed_slices import IndexedSlices
 from daskps.partitioners import create_partitioned_variables
 from daskps.sharding import ShardedVariable, embedding_lookup
+from daskps.sidecar import SidecarEvaluator
 from daskps.strategy import ParameterServerStrategy
 from daskps.variables import Variable, read_values
 
@@ -51,6 +52,7 @@ __all__ = [
     "ReplicaContext",
     "RunOptions",
     "ShardedVariable",
+    "SidecarEvaluator",
     "ValueContext",
     "Variable",
     "create_partitioned_variables",

@@ -280,6 +280,13 @@ def _two_phase_restore(path: str, items: list) -> None:
     ckpt_io.commit_staged(holder, local_staged)
 
 
+def committed_numbers(fs: Any, root: str, name: str = "ckpt") -> list[int]:
+    """Numbers ``n`` of the committed checkpoints ``root/{name}-{n}`` (with a manifest), ascending."""
+    pattern = re.compile(rf"{re.escape(name)}-(\d+)/{MANIFEST}$")
+    found = fs.glob(f"{root}/{name}-*/{MANIFEST}")
+    return sorted(int(m.group(1)) for p in found if (m := pattern.search(p)))
+
+
 class CheckpointManager:
     """Numbered checkpoints in ``directory``, keeping the newest ``max_to_keep``.
 
@@ -314,10 +321,7 @@ class CheckpointManager:
         return self._url
 
     def _numbers(self) -> list[int]:
-        """Numbers of the committed checkpoints (those with a manifest), ascending."""
-        pattern = re.compile(rf"{re.escape(self._name)}-(\d+)/{MANIFEST}$")
-        found = self._fs.glob(f"{self._root}/{self._name}-*/{MANIFEST}")
-        return sorted(int(m.group(1)) for p in found if (m := pattern.search(p)))
+        return committed_numbers(self._fs, self._root, self._name)
 
     @property
     def checkpoints(self) -> list[str]:

@@ -36,6 +36,9 @@ class LocalPSCluster(SpecCluster):
         ``True`` (default) runs each worker in a Nanny-managed process;
         ``False`` runs them as threads in this process (faster to start, but a
         worker cannot be killed on its own).
+    num_evaluators : int
+        Workers started with resource ``evaluator=1``, named ``evaluator-0``,
+        ...: where ``SidecarEvaluator`` runs evaluations.
     memory_limit : str or int, optional
         Passed to every worker.
     **kwargs
@@ -54,11 +57,14 @@ class LocalPSCluster(SpecCluster):
         num_workers: int = 2,
         threads_per_worker: int = 1,
         processes: bool = True,
+        num_evaluators: int = 0,
         memory_limit: Any = None,
         dashboard_address: str = f"{LOCALHOST}:0",
         **kwargs: Any,
     ):
-        for arg, value, low in (("num_ps", num_ps, 0), ("num_workers", num_workers, 0), ("threads_per_worker", threads_per_worker, 1)):
+        checks = (("num_ps", num_ps, 0), ("num_workers", num_workers, 0),
+                  ("threads_per_worker", threads_per_worker, 1), ("num_evaluators", num_evaluators, 0))
+        for arg, value, low in checks:
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{arg} must be an int >= {low}, got {value!r}")
         self.num_ps = num_ps
@@ -76,6 +82,7 @@ class LocalPSCluster(SpecCluster):
 
         workers = {f"ps-{i}": spec("ps") for i in range(num_ps)}
         workers.update({f"worker-{i}": spec("worker") for i in range(num_workers)})
+        workers.update({f"evaluator-{i}": spec("evaluator") for i in range(num_evaluators)})
         scheduler = {
             "cls": Scheduler,
             "options": {"host": LOCALHOST, "port": 0, "dashboard_address": dashboard_address},

@@ -1,0 +1,149 @@
+"""``SidecarEvaluator``: evaluate each new checkpoint while training goes on.
+
+It watches a checkpoint directory (any fsspec URL) and, whenever a newer
+committed checkpoint appears, calls ``eval_fn(checkpoint_path)``, which
+restores what it needs (``dps.Checkpoint(...).read(path)`` into local
+variables) and returns a dict of metrics. The call runs on a worker with
+resource ``evaluator`` when the cluster has one (``dask worker ...
+--resources evaluator=1``, or ``LocalPSCluster(num_evaluators=1)``), so
+evaluation never slows the coordinator; otherwise it runs in this process.
+
+Like TensorFlow's sidecar evaluator it evaluates the latest checkpoint each
+time, skipping any it fell behind on, and stops after the checkpoint
+numbered ``until`` (save with ``manager.save(checkpoint_number=step)`` to
+make that a training step) or after ``max_evaluations``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import fsspec
+
+from daskps.checkpoint import committed_numbers
+
+__all__ = ["SidecarEvaluator"]
+
+logger = logging.getLogger("daskps.sidecar")
+
+
+class SidecarEvaluator:
+    """Run ``eval_fn(path) -> dict`` on every new checkpoint in ``checkpoint_dir``.
+
+    Parameters
+    ----------
+    eval_fn : callable
+        Takes a checkpoint path, returns a dict of metric values.
+    checkpoint_dir : str
+        The directory a ``CheckpointManager`` writes to.
+    client : distributed.Client, optional
+        Where to look for an ``evaluator`` worker; ``None`` evaluates here.
+    until : int, optional
+        Stop after evaluating a checkpoint numbered ``until`` or higher.
+    max_evaluations : int, optional
+        Stop after this many evaluations.
+    poll_interval : float
+        Seconds between looks at the directory.
+    timeout : float, optional
+        Give up (``TimeoutError``) after this many seconds without a new checkpoint.
+    checkpoint_name : str
+        As given to the ``CheckpointManager`` (default ``"ckpt"``).
+    log : callable, optional
+        Called with one line per evaluation (default: the ``daskps.sidecar`` logger).
+
+    Examples
+    --------
+    >>> def evaluate(path):                                          # doctest: +SKIP
+    ...     w = dps.Variable(np.zeros(3, np.float32))
+    ...     dps.Checkpoint(w=w).read(path)
+    ...     return {"norm": float(np.linalg.norm(w.numpy()))}
+    >>> sidecar = dps.SidecarEvaluator(evaluate, "ckpts", client, until=10).start()  # doctest: +SKIP
+    >>> ...  # train and save with manager.save(checkpoint_number=step)
+    >>> sidecar.join()                                               # doctest: +SKIP
+    """
+
+    def __init__(self, eval_fn: Callable[[str], dict], checkpoint_dir: str, client: Any = None, *,
+                 until: int | None = None, max_evaluations: int | None = None, poll_interval: float = 1.0,
+                 timeout: float | None = None, checkpoint_name: str = "ckpt", log: Callable[[str], Any] | None = None):
+        if not callable(eval_fn):
+            raise TypeError(f"eval_fn must be callable, got {type(eval_fn).__name__}")
+        for arg, value in (("until", until), ("max_evaluations", max_evaluations)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{arg} must be a positive int or None, got {value!r}")
+        if until is None and max_evaluations is None and timeout is None:
+            raise ValueError("give until, max_evaluations or timeout, or the evaluator never stops")
+        self._eval_fn = eval_fn
+        self._url = checkpoint_dir.rstrip("/")
+        self._fs, self._root = fsspec.core.url_to_fs(checkpoint_dir)
+        self._client = client
+        self._until, self._max = until, max_evaluations
+        self._poll, self._timeout = float(poll_interval), timeout
+        self._name = checkpoint_name
+        self._log = log or logger.info
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.results: list[tuple[str, dict]] = []
+
+    def _on_evaluator(self) -> bool:
+        if self._client is None:
+            return False
+        workers = self._client.scheduler_info(n_workers=-1)["workers"].values()
+        return any(w.get("resources", {}).get("evaluator") for w in workers)
+
+    def evaluate(self, path: str) -> dict:
+        """Evaluate one checkpoint (on an evaluator worker if there is one)."""
+        if self._on_evaluator():
+            future = self._client.submit(self._eval_fn, path, resources={"evaluator": 1}, pure=False)
+            return future.result()
+        return self._eval_fn(path)
+
+    def run(self) -> list[tuple[str, dict]]:
+        """Watch and evaluate until done; return ``[(path, metrics), ...]``."""
+        last, waited_since = 0, time.monotonic()
+        while not self._stop.is_set():
+            numbers = committed_numbers(self._fs, self._root, self._name)
+            if numbers and numbers[-1] > last:
+                last = numbers[-1]
+                path = f"{self._url}/{self._name}-{last}"
+                metrics = self.evaluate(path)
+                self.results.append((path, metrics))
+                shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+                self._log(f"sidecar: {self._name}-{last}: {shown}")
+                waited_since = time.monotonic()
+                if (self._until is not None and last >= self._until) or (
+                    self._max is not None and len(self.results) >= self._max
+                ):
+                    break
+            elif self._timeout is not None and time.monotonic() - waited_since > self._timeout:
+                raise TimeoutError(f"no new checkpoint in {self._url!r} for {self._timeout}s")
+            self._stop.wait(self._poll)
+        return self.results
+
+    def start(self) -> SidecarEvaluator:
+        """Run in a background thread; see :meth:`join`."""
+        def target() -> None:
+            try:
+                self.run()
+            except BaseException as exc:  # handed to join()
+                self._error = exc
+
+        self._thread = threading.Thread(target=target, name="daskps-sidecar", daemon=True)
+        self._thread.start()
+        return self
+
+    def join(self, timeout: float | None = None) -> list[tuple[str, dict]]:
+        """Wait for the background run to finish; raise its error if it failed."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self._error is not None:
+            raise self._error
+        return self.results
+
+    def stop(self) -> None:
+        """Ask the background run to stop after the current evaluation."""
+        self._stop.set()
