@@ -16,7 +16,38 @@ from __future__ import annotations
 import numpy as np
 
 import daskps as dps
-from daskps.demo import NUM_CLASSES, NUM_FEATURES, accuracy, make_batches, softmax_loss_and_grads, teacher
+
+NUM_FEATURES, NUM_CLASSES = 20, 4
+
+
+def teacher(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(NUM_FEATURES, NUM_CLASSES)), rng.normal(size=NUM_CLASSES)
+
+
+def make_batches(seed: int, worker: int, batch_size: int):
+    """An endless stream of (x, y) batches labelled by the teacher."""
+    w_star, b_star = teacher(seed)
+    rng = np.random.default_rng([seed, worker + 1])
+    while True:
+        x = rng.normal(size=(batch_size, NUM_FEATURES)).astype(np.float32)
+        yield x, np.argmax(x @ w_star + b_star, axis=1)
+
+
+def softmax_loss_and_grads(w, b, x, y):
+    """Mean cross-entropy of softmax(x @ w + b) and its gradients."""
+    logits = x @ w + b
+    logits -= logits.max(axis=1, keepdims=True)
+    p = np.exp(logits)
+    p /= p.sum(axis=1, keepdims=True)
+    n = len(y)
+    loss = -np.log(p[np.arange(n), y] + 1e-12).mean()
+    p[np.arange(n), y] -= 1.0
+    return loss, x.T @ p / n, p.sum(axis=0) / n
+
+
+def accuracy(w, b, x, y) -> float:
+    return float((np.argmax(x @ w + b, axis=1) == y).mean())
 
 
 def main() -> None:

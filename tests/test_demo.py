@@ -1,4 +1,4 @@
-"""The main job trains a real model whose answer is known."""
+"""The main job trains a real CTR model whose answer is known, and resumes from checkpoints."""
 
 import subprocess
 import sys
@@ -6,23 +6,31 @@ import sys
 from daskps.demo import DemoConfig, run_demo
 
 
-def test_demo_learns_the_teacher(cluster):
+def test_demo_learns_and_resumes(cluster, tmp_path):
+    directory = str(tmp_path / "ckpts")
     lines = []
-    result = run_demo(DemoConfig(epochs=4, steps_per_epoch=60), cluster=cluster, log=lines.append)
-    assert result["loss_last_epoch"] < result["loss_first_epoch"]
-    assert result["test_accuracy"] > 0.9
-    assert result["weight_cosine"] > 0.9
-    assert any("epoch  4/4" in line for line in lines)
+    first = run_demo(DemoConfig(epochs=2, steps_per_epoch=60, checkpoint_dir=directory), cluster=cluster, log=lines.append)
+    assert first["resumed_from"] is None and first["epochs_trained"] == 2
+    assert first["log_loss"] < first["start_log_loss"] - 0.1
+    assert first["auc"] > 0.75 and first["auc"] <= first["teacher_auc"] + 0.01
+    assert first["checkpoints"][-1].endswith("ckpt-2")
+    again = run_demo(DemoConfig(epochs=3, steps_per_epoch=60, checkpoint_dir=directory), cluster=cluster, log=lines.append)
+    assert again["resumed_from"].endswith("ckpt-2") and again["epochs_trained"] == 1
+    assert abs(again["start_log_loss"] - first["log_loss"]) < 1e-6  # picks up exactly where it stopped
+    assert again["steps"] == first["steps"] + 60 // 4 * 4
+    assert again["log_loss"] < first["start_log_loss"]
+    assert any("resumed from" in line for line in lines)
 
 
-def test_daskps_demo_command_runs_end_to_end():
-    out = subprocess.run(
-        [sys.executable, "-m", "daskps.cli", "demo", "--epochs", "2", "--steps-per-epoch", "40"],
-        capture_output=True, text=True, timeout=300,
-    )
+def test_daskps_demo_command_runs_end_to_end(tmp_path):
+    cmd = [sys.executable, "-m", "daskps.cli", "demo", "--epochs", "2", "--steps-per-epoch", "40",
+           "--checkpoint-dir", str(tmp_path / "c")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "epoch  2/2" in out.stdout
-    assert "final test accuracy" in out.stdout
+    assert "epoch  2/2" in out.stdout and "saved ckpt-2" in out.stdout
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert "resumed from" in rerun.stdout and "nothing to train" in rerun.stdout
 
 
 def test_example_script_trains(tmp_path):
