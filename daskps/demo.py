@@ -167,7 +167,8 @@ def _train(config: DemoConfig, cluster, log) -> dict:
 
     def evaluate() -> dict:
         rows = dps.embedding_lookup(table, ids_t)
-        p = forward(rows, *dps.read_values([u, w, b]), ids_t, x_t)
+        u_now, w_now, b_now = dps.read_values([u, w, b])
+        p = forward(rows, u_now, w_now, b_now, ids_t, x_t)
         return {"log_loss": log_loss(p, y_t), "auc": auc(p, y_t)}
 
     first = evaluate()
