@@ -104,6 +104,9 @@ class _LocalHolder(ckpt_io.Holder):
     def array(self, key: str) -> np.ndarray:
         return self.stores[key].value
 
+    def replace(self, key: str, value: np.ndarray) -> None:
+        self.stores[key].value = value
+
     def slot_state(self, slot_key: str, key: str) -> dict | None:
         return getattr(self.stores[key], "slots", {}).get(slot_key)
 

@@ -38,7 +38,8 @@ def write_piece(fs: Any, root: str, tensor: str, offset: int, array: np.ndarray)
     name = f"{quote(tensor, safe='')}@{offset}.npy"
     arr = array if array.flags.c_contiguous else np.array(array, order="C")  # ascontiguousarray turns 0-d into 1-d
     with fs.open(f"{root}/{name}", "wb") as f:
-        np.lib.format.write_array(f, arr, allow_pickle=False)
+        np.lib.format.write_array_header_2_0(f, np.lib.format.header_data_from_array_1_0(arr))
+        f.write(memoryview(arr.reshape(-1)).cast("B"))  # one write, no copy
     return {
         "tensor": tensor,
         "file": name,
@@ -66,7 +67,8 @@ def write_with_slots(
     return records
 
 
-def _read_npy_rows(fs: Any, path: str, start: int, stop: int) -> np.ndarray:
+def _read_npy_rows(fs: Any, path: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+    """Rows ``[start, stop)`` of the ``.npy`` file at ``path`` (into ``out`` if it fits)."""
     with fs.open(path, "rb") as f:
         version = np.lib.format.read_magic(f)
         read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
@@ -78,8 +80,16 @@ def _read_npy_rows(fs: Any, path: str, start: int, stop: int) -> np.ndarray:
             return np.frombuffer(f.read(dtype.itemsize), dtype).reshape(())
         row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
         f.seek(header + start * row_bytes)
-        data = f.read((stop - start) * row_bytes)
-    return np.frombuffer(data, dtype).reshape((stop - start,) + tuple(shape[1:]))
+        if out is None or out.dtype != dtype:
+            return np.frombuffer(f.read((stop - start) * row_bytes), dtype).reshape((stop - start,) + tuple(shape[1:]))
+        view = memoryview(out.reshape(-1)).cast("B")
+        done = 0
+        while done < len(view):  # straight into the destination
+            n = f.readinto(view[done:])
+            if not n:
+                raise ValueError(f"{path} is shorter than its header says")
+            done += n
+    return out
 
 
 def read_rows(
@@ -93,7 +103,10 @@ def read_rows(
     for p in sorted(pieces, key=lambda p: p["offset"]):
         lo, hi = max(start, p["offset"]), min(stop, p["offset"] + p["rows"])
         if hi > lo:
-            out[lo - start : hi - start] = _read_npy_rows(fs, f"{root}/{p['file']}", lo - p["offset"], hi - p["offset"])
+            dest = out[lo - start : hi - start]
+            got = _read_npy_rows(fs, f"{root}/{p['file']}", lo - p["offset"], hi - p["offset"], dest)
+            if got is not dest:
+                dest[...] = got
             filled += hi - lo
     if filled != stop - start:
         raise ValueError(f"checkpoint pieces of {pieces[0]['tensor']!r} do not cover rows {start}:{stop}")
@@ -114,7 +127,7 @@ def load_target(fs: Any, root: str, spec: dict, shape: tuple, dtype: np.dtype) -
             slots[slot_key] = None
             continue
         state = {
-            slot: read_rows(fs, root, start, stop, pieces, shape[1:], dtype).reshape(shape).copy()
+            slot: read_rows(fs, root, start, stop, pieces, shape[1:], dtype).reshape(shape)
             for slot, pieces in saved["pieces"].items()
         }
         slots[slot_key] = dict(state, step=np.int64(saved["step"]))
@@ -132,6 +145,10 @@ class Holder:
         raise NotImplementedError
 
     def set_slot_state(self, slot_key: str, key: str, state: dict | None) -> None:
+        raise NotImplementedError
+
+    def replace(self, key: str, value: np.ndarray) -> None:
+        """Put ``value`` (same shape and dtype) in place of the array ``key``."""
         raise NotImplementedError
 
 
@@ -162,8 +179,12 @@ def stage_specs(holder: Holder, base: str, specs: list) -> list:
 
 
 def commit_staged(holder: Holder, staged: list) -> None:
-    """Put staged values and slots in place (nothing here can fail on valid input)."""
+    """Put staged values and slots in place (nothing here can fail on valid input).
+
+    The staged arrays replace the old ones instead of being copied into them:
+    reads hand out copies, so nobody else holds the old arrays.
+    """
     for key, value, slots in staged:
-        holder.array(key)[...] = value
+        holder.replace(key, value)
         for slot_key, state in slots.items():
             holder.set_slot_state(slot_key, key, state)

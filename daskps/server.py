@@ -250,6 +250,9 @@ class ParameterServer(ckpt_io.Holder):
         else:
             per_var[key] = state
 
+    def replace(self, key: str, value: np.ndarray) -> None:
+        self._values[key] = value
+
     def save(self, base: str, specs: list) -> list[dict]:
         """Write this server's checkpoint pieces straight to ``base`` (an fsspec URL)."""
         self.calls["save"] += 1
