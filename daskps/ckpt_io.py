@@ -39,7 +39,7 @@ def write_piece(fs: Any, root: str, tensor: str, offset: int, array: np.ndarray)
     arr = array if array.flags.c_contiguous else np.array(array, order="C")  # ascontiguousarray turns 0-d into 1-d
     with fs.open(f"{root}/{name}", "wb") as f:
         np.lib.format.write_array_header_2_0(f, np.lib.format.header_data_from_array_1_0(arr))
-        f.write(memoryview(arr.reshape(-1)).cast("B"))  # one write, no copy
+        f.write(arr.reshape(-1).data.cast("B"))  # one write, no copy
     return {
         "tensor": tensor,
         "file": name,
@@ -80,9 +80,9 @@ def _read_npy_rows(fs: Any, path: str, start: int, stop: int, out: np.ndarray | 
             return np.frombuffer(f.read(dtype.itemsize), dtype).reshape(())
         row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
         f.seek(header + start * row_bytes)
-        if out is None or out.dtype != dtype:
+        if out is None or out.dtype != dtype or not out.flags.c_contiguous:
             return np.frombuffer(f.read((stop - start) * row_bytes), dtype).reshape((stop - start,) + tuple(shape[1:]))
-        view = memoryview(out.reshape(-1)).cast("B")
+        view = out.reshape(-1).data.cast("B")
         done = 0
         while done < len(view):  # straight into the destination
             n = f.readinto(view[done:])

@@ -62,7 +62,7 @@ class SidecarEvaluator:
     ...     dps.Checkpoint(w=w).read(path)
     ...     return {"norm": float(np.linalg.norm(w.numpy()))}
     >>> sidecar = dps.SidecarEvaluator(evaluate, "ckpts", client, until=10).start()  # doctest: +SKIP
-    >>> ...  # train and save with manager.save(checkpoint_number=step)
+    >>> # ... train, saving with manager.save(checkpoint_number=step) ...
     >>> sidecar.join()                                               # doctest: +SKIP
     """
 
