@@ -186,14 +186,9 @@ def _split_gradient(var: Any, grad: Any) -> list[tuple[Variable, str, Any]]:
     kind, payload = check_gradient(var.shape, var.dtype, var.name, grad)
     if kind == "dense":
         return [(v, "dense", payload[a:b]) for v, a, b in var._spans()]
-    idx, values = payload
-    owner = np.searchsorted(var._offsets, idx, side="right") - 1
     # Every shard gets its part, even an empty one, so that all shards count the
     # same steps and Adam's bias correction does not depend on the sharding.
-    return [
-        (v, "rows", (idx[owner == s] - a, values[owner == s]))
-        for s, (v, a, _) in enumerate(var._spans())
-    ]
+    return [(v, "rows", part) for v, part in var._split_rows(*payload)]
 
 
 class SGD(Optimizer):

@@ -117,14 +117,14 @@ class ShardedVariable(ArrayLike):
         if op == BATCH_SCATTER and idx.ndim > 1:  # batch axis 0 is the sharded axis
             items = [(v, op, (idx[a:b], vals[a:b])) for v, a, b in self._spans()]
         else:
-            owner = np.searchsorted(self._offsets, idx, side="right") - 1
-            items = []
-            for s, (v, a, _) in enumerate(self._spans()):
-                mine = owner == s
-                if mine.any():
-                    items.append((v, op, (idx[mine] - a, vals[mine])))
+            items = [(v, op, part) for v, part in self._split_rows(idx, vals) if len(part[0])]
         apply_updates(items)
         return self
+
+    def _split_rows(self, idx: np.ndarray, values: np.ndarray) -> list[tuple[Variable, tuple]]:
+        """``(shard, (local indices, values))`` for every shard, in order (some may be empty)."""
+        owner = np.searchsorted(self._offsets, idx, side="right") - 1
+        return [(v, (idx[owner == s] - a, values[owner == s])) for s, (v, a, _) in enumerate(self._spans())]
 
     def _gather(self, indices: Any, one_d: bool = False) -> np.ndarray:
         return gather_rows(self._variables, self._offsets, indices, self._name, one_d)
