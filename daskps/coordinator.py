@@ -19,6 +19,7 @@ import asyncio
 import itertools
 import pickle
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -175,6 +176,7 @@ class ClusterCoordinator:
         self._counter = itertools.count()
         self.stats = {"scheduled": 0, "done": 0, "failed": 0, "cancelled": 0}
         self.last_error: BaseException | None = None
+        self._created = time.monotonic()
 
     @property
     def strategy(self) -> ParameterServerStrategy:
@@ -313,6 +315,19 @@ class ClusterCoordinator:
         gives a per-worker iterator to pass to scheduled functions.
         """
         return PerWorkerDataset(self, dataset_fn)
+
+    def summary(self) -> dict[str, Any]:
+        """Counts, throughput and the last error, without waiting on anything."""
+        with self._cond:
+            in_flight = len(self._pending)
+        elapsed = max(time.monotonic() - self._created, 1e-9)
+        return dict(self.stats, in_flight=in_flight, per_second=self.stats["done"] / elapsed,
+                    last_error=None if self.last_error is None else repr(self.last_error))
+
+    def _repr_html_(self) -> str:
+        from daskps.display import coordinator_html
+
+        return coordinator_html(self)
 
     def __repr__(self) -> str:
         with self._cond:

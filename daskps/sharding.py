@@ -132,6 +132,11 @@ class ShardedVariable(ArrayLike):
     def _spans(self) -> list[tuple[Variable, int, int]]:
         return [(v, self._offsets[i], self._offsets[i + 1]) for i, v in enumerate(self._variables)]
 
+    def _repr_html_(self) -> str:
+        from daskps.display import sharded_html
+
+        return sharded_html(self)
+
     def __repr__(self) -> str:
         return (
             f"<daskps.ShardedVariable {self._name!r} shape={self._shape} dtype={self.dtype} "

@@ -359,6 +359,17 @@ class ParameterServerStrategy(_SingleReplicaStrategy):
 
         return transport_for(self._client).call_many([Call(ps, "stats") for ps in self._ps])
 
+    def _repr_html_(self) -> str:
+        from daskps.display import strategy_html
+
+        return strategy_html(self)
+
+    def summary(self) -> str:
+        """Servers (variables, bytes, reads, updates) and trainers, as text; never blocks long."""
+        from daskps.display import strategy_text
+
+        return strategy_text(self)
+
     def __repr__(self) -> str:
         where = "worker view" if self._client is None else self._client.scheduler.address
         return (

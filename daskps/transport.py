@@ -79,6 +79,27 @@ class Transport:
             return []
         return sync(self._loop, self._gather, list(calls))
 
+    def call_each(self, calls: Sequence[Call], timeout: float) -> list[Any]:
+        """Run ``calls`` concurrently for at most ``timeout`` seconds in all.
+
+        Returns each result, or the exception it raised (``TimeoutError`` for
+        one still running): for displays that must not hang on a lost server.
+        """
+        if not calls:
+            return []
+        return sync(self._loop, self._each, list(calls), timeout)
+
+    async def _each(self, calls: list[Call], timeout: float) -> list[Any]:
+        async def one(call: Call) -> Any:
+            try:
+                return await asyncio.wait_for(self._one(call), timeout)
+            except asyncio.TimeoutError:
+                return TimeoutError(f"ps:{call.ps.task_id} did not answer {call.method} within {timeout}s")
+            except Exception as exc:
+                return exc
+
+        return list(await asyncio.gather(*(one(c) for c in calls)))
+
     async def _gather(self, calls: list[Call]) -> list[Any]:
         if len(calls) == 1:
             return [await self._one(calls[0])]

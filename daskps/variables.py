@@ -205,6 +205,11 @@ class Variable(ArrayLike, metaclass=_VariableMeta):
             raise TypeError("iteration over a scalar variable")
         return iter(self.numpy())
 
+    def _repr_html_(self) -> str:
+        from daskps.display import variable_html
+
+        return variable_html(self)
+
     def __repr__(self) -> str:
         return (
             f"<daskps.Variable {self._name!r} shape={self._shape} dtype={self._dtype} "

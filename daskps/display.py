@@ -1,0 +1,103 @@
+"""What the cluster holds, for people: text and HTML summaries for Jupyter.
+
+Every summary reads live state but waits at most ``daskps.display-timeout``
+(1 s, Dask config) for each parameter server; a slow or lost server shows as
+such instead of hanging the notebook.
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+import dask.config
+from dask.utils import format_bytes, parse_timedelta
+
+from daskps.transport import Call, transport_for
+
+
+def display_timeout() -> float:
+    return parse_timedelta(dask.config.get("daskps.display-timeout", "1s"))
+
+
+def server_rows(strategy: Any) -> list[dict[str, Any]]:
+    """One row per parameter server: address, state, variables, bytes, reads, updates."""
+    results = transport_for(strategy.client).call_each([Call(ps, "stats") for ps in strategy._ps], display_timeout())
+    rows = []
+    for ps, res in zip(strategy._ps, results):
+        row: dict[str, Any] = {"task": ps.task_id, "device": ps.device, "address": ps.address}
+        if isinstance(res, BaseException):
+            row["status"] = f"unreachable: {type(res).__name__}: {res}"
+        else:
+            row.update(status="ok", variables=res["num_variables"], nbytes=res["nbytes"], reads=res["reads"],
+                       updates=res["updates"], bytes_read=res["bytes_read"])
+        rows.append(row)
+    return rows
+
+
+def _table(headers: list[str], rows: list[list[Any]]) -> str:
+    head = "".join(f"<th style='text-align:left'>{html.escape(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def strategy_html(strategy: Any) -> str:
+    rows = []
+    for r in server_rows(strategy):
+        if r["status"] == "ok":
+            rows.append([f"ps {r['task']}", r["address"], r["variables"], format_bytes(r["nbytes"]),
+                         f"{r['reads']:,}", f"{r['updates']:,}", "ok"])
+        else:
+            rows.append([f"ps {r['task']}", r["address"], "", "", "", "", r["status"]])
+    trainers = [[f"worker {i}", name] for i, name in enumerate(strategy._worker_names)]
+    link = strategy.client.dashboard_link
+    return (
+        f"<div><strong>ParameterServerStrategy</strong> &mdash; {len(strategy._ps)} parameter servers, "
+        f"{len(trainers)} trainers &mdash; dashboard: <a href='{html.escape(link)}' target='_blank'>"
+        f"{html.escape(link)}</a>"
+        + _table(["server", "address", "variables", "bytes", "reads", "updates", "state"], rows)
+        + _table(["trainer", "worker name"], trainers)
+        + "</div>"
+    )
+
+
+def strategy_text(strategy: Any) -> str:
+    lines = [repr(strategy), f"dashboard: {strategy.client.dashboard_link}"]
+    for r in server_rows(strategy):
+        if r["status"] == "ok":
+            lines.append(f"  ps {r['task']} {r['address']}: {r['variables']} variables, "
+                         f"{format_bytes(r['nbytes'])}, {r['reads']:,} reads, {r['updates']:,} updates")
+        else:
+            lines.append(f"  ps {r['task']} {r['address']}: {r['status']}")
+    lines += [f"  worker {i}: {name}" for i, name in enumerate(strategy._worker_names)]
+    return "\n".join(lines)
+
+
+def _where(v: Any) -> str:
+    store = v._store
+    return getattr(getattr(store, "ps", None), "address", "this process")
+
+
+def variable_html(v: Any) -> str:
+    rows = [[v.name, v.shape, v.dtype, format_bytes(v.nbytes), v.device, _where(v)]]
+    return "<div><strong>daskps.Variable</strong>" + _table(
+        ["name", "shape", "dtype", "bytes", "device", "address"], rows) + "</div>"
+
+
+def sharded_html(sv: Any) -> str:
+    rows = [[v.name, f"{a}:{b}", format_bytes(v.nbytes), v.device, _where(v)] for v, a, b in sv._spans()]
+    return (
+        f"<div><strong>daskps.ShardedVariable</strong> {html.escape(sv.name)} shape={sv.shape} "
+        f"dtype={sv.dtype} ({format_bytes(sv.nbytes)} in {len(rows)} shards)"
+        + _table(["shard", "rows", "bytes", "device", "address"], rows) + "</div>"
+    )
+
+
+def coordinator_html(coordinator: Any) -> str:
+    s = coordinator.summary()
+    rows = [[s["scheduled"], s["in_flight"], s["done"], s["failed"], s["cancelled"], f"{s['per_second']:.1f}"]]
+    error = "" if s["last_error"] is None else f"<div>last error: <code>{html.escape(s['last_error'])}</code></div>"
+    return (
+        "<div><strong>ClusterCoordinator</strong>"
+        + _table(["scheduled", "in flight", "done", "failed", "cancelled", "done/s"], rows) + error + "</div>"
+    )

@@ -1,0 +1,58 @@
+"""Reprs for Jupyter: live state from the servers, never a long wait."""
+
+from __future__ import annotations
+
+import dask.config
+import numpy as np
+
+import daskps as dps
+from tests.conftest import kill_worker
+
+
+def test_strategy_html_lists_servers_trainers_and_dashboard(strategy):
+    with strategy.scope():
+        dps.Variable(np.zeros(1000, np.float32), name="big")
+        dps.Variable(np.zeros(10, np.float32), name="small")
+    page = strategy._repr_html_()
+    for ps in strategy._ps:
+        assert ps.address in page
+    assert page.count("<tr>") >= 2 + 2 + 2  # headers + 2 servers + 2 trainers
+    assert strategy.client.dashboard_link in page and "3.91 kiB" in page
+    text = strategy.summary()
+    assert "ps 0" in text and "ps 1" in text and "worker 1: worker-1" in text
+
+
+def test_variable_and_sharded_variable_html(strategy):
+    with strategy.scope():
+        v = dps.Variable(np.zeros((4, 2), np.float32), name="v")
+        parts = [dps.Variable(np.zeros((3, 2), np.float32), name=f"t/part_{i}") for i in range(2)]
+    page = v._repr_html_()
+    assert "(4, 2)" in page and v._store.ps.address in page
+    sv_page = dps.ShardedVariable(parts, name="t")._repr_html_()
+    assert "t/part_1" in sv_page and "3:6" in sv_page and parts[1]._store.ps.address in sv_page
+    assert "this process" in dps.Variable([1.0])._repr_html_()
+
+
+def test_coordinator_html_counts_and_last_error(strategy, coordinator):
+    for i in range(5):
+        coordinator.schedule(lambda: None)
+    coordinator.join()
+    coordinator.schedule(lambda: 1 / 0)
+    try:
+        coordinator.join()
+    except ZeroDivisionError:
+        pass
+    page = coordinator._repr_html_()
+    summary = coordinator.summary()
+    assert summary["done"] >= 5 and summary["failed"] >= 1 and summary["in_flight"] == 0
+    assert "ZeroDivisionError" in page and "done/s" in page
+
+
+def test_lost_server_shows_as_such_without_hanging(fresh_cluster):
+    cluster, client = fresh_cluster
+    strategy = dps.ParameterServerStrategy(client)
+    kill_worker(client, "ps-1")
+    with dask.config.set({"daskps.display-timeout": "1s"}):
+        page = strategy._repr_html_()  # returns (pytest-timeout would catch a hang)
+    assert "unreachable" in page and page.count("unreachable") == 1
+    assert strategy._ps[0].address in page
