@@ -34,7 +34,7 @@ def test_variable_and_sharded_variable_html(strategy):
 
 
 def test_coordinator_html_counts_and_last_error(strategy, coordinator):
-    for i in range(5):
+    for _ in range(5):
         coordinator.schedule(lambda: None)
     coordinator.join()
     coordinator.schedule(lambda: 1 / 0)
