@@ -27,6 +27,7 @@ from daskps.coordinator import ClusterCoordinator, RemoteValue
 from daskps.datasets import PerWorkerDataset, PerWorkerIterator, PerWorkerValues
 from daskps.indexed_slices import IndexedSlices
 from daskps.partitioners import create_partitioned_variables
+from daskps.progress import progress
 from daskps.sharding import ShardedVariable, embedding_lookup
 from daskps.sidecar import SidecarEvaluator
 from daskps.strategy import ParameterServerStrategy
@@ -65,5 +66,6 @@ __all__ = [
     "metrics",
     "optimizers",
     "partitioners",
+    "progress",
     "read_values",
 ]

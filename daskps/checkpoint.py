@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import uuid
 from collections.abc import Callable
 from typing import Any
 
+import dask.config
 import fsspec
 import numpy as np
 
@@ -152,14 +154,18 @@ class Checkpoint:
         self.save_counter = 0
 
     # -- saving -----------------------------------------------------------------
-    def save(self, file_prefix: str) -> str:
+    def save(self, file_prefix: str, progress: bool | None = None) -> str:
         """Write to ``f"{file_prefix}-{n}"`` with ``n = save_counter + 1``; return that path."""
         path = f"{file_prefix}-{self.save_counter + 1}"
         self.save_counter += 1
-        return self.write(path)
+        return self.write(path, progress)
 
-    def write(self, path: str) -> str:
-        """Write a checkpoint to ``path`` (an fsspec URL or local directory); return it."""
+    def write(self, path: str, progress: bool | None = None) -> str:
+        """Write a checkpoint to ``path`` (an fsspec URL or local directory); return it.
+
+        ``progress`` shows the bytes written as the servers write them;
+        ``None`` shows it for models of ``daskps.progress-bytes`` (256 MiB) or more.
+        """
         fs, root = fsspec.core.url_to_fs(path)
         _clear(fs, root, path)
         tensors, optimizers = _collect(self._objects)
@@ -170,7 +176,11 @@ class Checkpoint:
         remote, holder, local_specs, client = _group(items)
         records = ckpt_io.save_specs(holder, path, local_specs) if local_specs else []
         if remote:
-            for result in transport_for(client).call_many([Call(ps, "save", (path, specs)) for ps, specs in remote]):
+            calls = [Call(ps, "save", (path, specs)) for ps, specs in remote]
+            nbytes = sum(v.nbytes for v, _ in items)
+            show = progress if progress is not None else nbytes >= float(dask.config.get("daskps.progress-bytes", 256 << 20))
+            run = lambda: transport_for(client).call_many(calls)  # noqa: E731
+            for result in (_with_progress(run, f"saving {path}", nbytes, fs, root) if show else run()):
                 records += result
         manifest = {"format": "daskps-checkpoint/1", "save_counter": self.save_counter, "tensors": _tensors(records)}
         fs.pipe_file(f"{root}/{MANIFEST}.tmp", json.dumps(manifest, indent=1).encode())
@@ -210,6 +220,27 @@ class Checkpoint:
 
     def __repr__(self) -> str:
         return f"<daskps.Checkpoint {sorted(self._objects)} save_counter={self.save_counter}>"
+
+
+def _with_progress(run: Callable[[], Any], label: str, nbytes: int, fs: Any, root: str) -> Any:
+    """``run()`` in a thread while a bar shows the bytes that have reached ``root``."""
+    from daskps.progress import watch
+
+    out: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            out["result"] = run()
+        except BaseException as exc:
+            out["error"] = exc
+
+    thread = threading.Thread(target=target, name="daskps-save", daemon=True)
+    thread.start()
+    watch(label, nbytes, lambda: fs.du(root), lambda: not thread.is_alive())
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["result"]
 
 
 def _clear(fs: Any, root: str, path: str) -> None:

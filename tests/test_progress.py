@@ -1,0 +1,54 @@
+"""Progress bars: training steps with metric values, and large checkpoint saves."""
+
+from __future__ import annotations
+
+import io
+import time
+
+import numpy as np
+
+import daskps as dps
+from daskps.progress import ProgressBar
+
+
+def test_training_progress_shows_steps_and_metrics(strategy, coordinator):
+    with strategy.scope():
+        loss = dps.metrics.Mean(name="loss")
+
+    def step(x):
+        time.sleep(0.01)
+        loss.update_state(x)
+
+    for i in range(40):
+        coordinator.schedule(step, args=(float(i),))
+    out = io.StringIO()
+    bar = dps.progress(coordinator, {"loss": loss}, interval=0.05, file=out, notebook=False)
+    assert "40/40 steps" in bar.last and "loss=19.5" in bar.last
+    assert out.getvalue().count("\r") >= 1 and out.getvalue().endswith("\n")
+
+
+def test_progress_raises_what_join_raises(strategy, coordinator):
+    coordinator.schedule(lambda: 1 / 0)
+    try:
+        dps.progress(coordinator, interval=0.02, file=io.StringIO(), notebook=False)
+    except ZeroDivisionError:
+        pass
+    else:
+        raise AssertionError("progress() should raise the scheduled function's error")
+
+
+def test_notebook_form_is_html():
+    bar = ProgressBar("saving", 200, "MiB", notebook=False)
+    page = bar.html(50, "x=1")
+    assert "<progress value='25.0'" in page and "50/200 MiB" in page
+
+
+def test_large_checkpoint_save_shows_bytes_written(strategy, tmp_path, capsys):
+    with strategy.scope():
+        parts = [dps.Variable(np.ones((1024, 1024), np.float32), name=f"w/part_{i}") for i in range(2)]
+    ckpt = dps.Checkpoint(w=dps.ShardedVariable(parts, name="w"))
+    ckpt.write(str(tmp_path / "c"), progress=True)
+    err = capsys.readouterr().err
+    assert "saving" in err and "8/8 MiB" in err
+    ckpt.write(str(tmp_path / "d"))  # 8 MiB: below the automatic threshold, quiet
+    assert capsys.readouterr().err == ""
