@@ -88,6 +88,9 @@ class LocalPSCluster(SpecCluster):
             "options": {"host": LOCALHOST, "port": 0, "dashboard_address": dashboard_address},
         }
         kwargs.setdefault("silence_logs", "error")
+        from daskps.dashboard import register_page
+
+        register_page()  # the parameter-server page, before the scheduler starts
         super().__init__(workers=workers, scheduler=scheduler, worker=spec("worker"), **kwargs)
 
     def __repr__(self) -> str:

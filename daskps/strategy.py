@@ -264,6 +264,9 @@ class ParameterServerStrategy(_SingleReplicaStrategy):
                 f"`dask worker ADDRESS --resources {self._resolver.worker_resource}=1`)"
             )
         self._worker_names = [name for name, _ in trainers]
+        from daskps.dashboard import install_plugin
+
+        install_plugin(self._client)  # feeds the dashboard page
         self._ps_futures = [
             self._client.submit(
                 ParameterServer,

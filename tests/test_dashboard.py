@@ -1,0 +1,94 @@
+"""The parameter-server page of the Dask dashboard, fetched over HTTP from the scheduler."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import urllib.request
+
+import numpy as np
+from distributed import Client
+
+import daskps as dps
+from tests.test_cluster import _start
+
+ROUTE = "/individual-daskps"
+
+
+def dashboard_base(client: Client) -> str:
+    base = client.dashboard_link.rsplit("/", 1)[0]
+    assert base.startswith("http://127.0.0.1:")
+    return base
+
+
+def page_text(base: str, want: str, timeout: float = 30) -> str:
+    """The page's live content (Bokeh sends it over its websocket), as plain text."""
+    from bokeh.client import pull_session
+
+    with pull_session(url=base + ROUTE) as session:
+        deadline = time.monotonic() + timeout
+        while True:
+            session.pull()
+            text = re.sub(r"<[^>]+>", " ", session.document.roots[0].text)
+            text = re.sub(r"\s+", " ", text)
+            if want in text or time.monotonic() > deadline:
+                return text
+            time.sleep(0.3)
+
+
+def exercise(client: Client) -> tuple[dps.ParameterServerStrategy, list[str]]:
+    strategy = dps.ParameterServerStrategy(client, variable_partitioner=dps.partitioners.FixedShardsPartitioner(2))
+    coordinator = dps.ClusterCoordinator(strategy)
+    with strategy.scope():
+        table = dps.Variable(np.zeros((1000, 4), np.float32), name="table")
+    for _ in range(6):
+        coordinator.schedule(lambda: table.scatter_add(dps.IndexedSlices(np.ones((1, 4), np.float32), [1])))
+    coordinator.join()
+    return strategy, [ps.address for ps in strategy._ps]
+
+
+def check_page(client: Client) -> str:
+    strategy, addresses = exercise(client)
+    base = dashboard_base(client)
+    plots = json.loads(urllib.request.urlopen(base + "/individual-plots.json").read())
+    assert ROUTE in plots.values()  # what dask-labextension lists as panels
+    assert urllib.request.urlopen(base + ROUTE).status == 200
+    text = page_text(base, want="functions completed")
+    for addr in addresses:
+        assert addr in text
+    assert "ps 0" in text and "ps 1" in text and "7.81 kiB" in text
+    completed = [int(n) for n in re.findall(r"tcp://127\.0\.0\.1:\d+ (\d+) \d+", text.split("Trainers", 1)[1])]
+    assert sum(completed) >= 6
+    return text
+
+
+def test_page_on_a_local_cluster(client):
+    text = check_page(client)
+    assert "reads/s" in text and "updates/s" in text and "shards" in text
+
+
+def test_page_on_a_dask_scheduler_started_with_preload(tmp_path):
+    env = {**os.environ, "DASK_DISTRIBUTED__WORKER__DAEMON": "False"}
+    sched_file = tmp_path / "scheduler.json"
+    procs = [_start(["distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", "0",
+                     "--dashboard-address", "127.0.0.1:0", "--scheduler-file", str(sched_file),
+                     "--preload", "daskps.dashboard"], env)]
+    try:
+        deadline = time.monotonic() + 60
+        while not sched_file.exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        address = json.loads(sched_file.read_text())["address"]
+        for resource in ("ps=1", "ps=1", "worker=1"):
+            procs.append(_start(["distributed.cli.dask_worker", address, "--host", "127.0.0.1",
+                                 "--nthreads", "1", "--resources", resource, "--no-dashboard"], env))
+        with Client(address) as client:
+            client.wait_for_workers(3, timeout=60)
+            check_page(client)
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)
