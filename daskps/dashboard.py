@@ -132,7 +132,7 @@ def page_html(rows: list[dict[str, Any]], rates: dict[str, tuple[float, float]],
 
 def daskps_doc(scheduler: Any, extra: Any, doc: Any) -> None:
     """The Bokeh document behind ``/individual-daskps``."""
-    from bokeh.models import Div
+    from bokeh.models import Div  # type: ignore[attr-defined]
 
     div = Div(text=page_html([], {}, scheduler), sizing_mode="stretch_width")
     previous: dict[str, tuple[float, int, int]] = {}
