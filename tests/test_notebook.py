@@ -1,0 +1,23 @@
+"""The example notebook runs headless, top to bottom, in a real Jupyter kernel."""
+
+from __future__ import annotations
+
+import pathlib
+
+import nbformat
+from nbclient import NotebookClient
+
+NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "examples" / "daskps_tour.ipynb"
+
+
+def test_notebook_runs_and_shows_the_cluster(tmp_path):
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
+    html = [o["data"]["text/html"] for o in outputs if "data" in o and "text/html" in o["data"]]
+    text = "".join(o.get("text", "") for o in outputs)
+    assert any("daskps.ShardedVariable" in h and "table/part_1" in h for h in html)
+    assert any("ParameterServerStrategy" in h and "/status" in h for h in html)
+    assert any("ClusterCoordinator" in h and "done/s" in h for h in html)
+    assert any("<progress" in h and "200/200 steps" in h and "loss=" in h for h in html)
+    assert "individual-daskps" in text and "ckpt-1" in text
