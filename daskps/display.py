@@ -41,6 +41,15 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def _trainers(strategy: Any) -> list[tuple[str, str]]:
+    """``(name, address)`` of each trainer, as the scheduler knows them now."""
+    try:
+        current = dict(strategy.cluster_resolver.training_workers())
+    except Exception:  # a display must not fail: show what we know
+        current = {}
+    return [(name, current.get(name, "gone")) for name in strategy._worker_names]
+
+
 def strategy_html(strategy: Any) -> str:
     rows = []
     for r in server_rows(strategy):
@@ -49,14 +58,14 @@ def strategy_html(strategy: Any) -> str:
                          f"{r['reads']:,}", f"{r['updates']:,}", "ok"])
         else:
             rows.append([f"ps {r['task']}", r["address"], "", "", "", "", r["status"]])
-    trainers = [[f"worker {i}", name] for i, name in enumerate(strategy._worker_names)]
+    trainers = [[f"worker {i}", name, addr] for i, (name, addr) in enumerate(_trainers(strategy))]
     link = strategy.client.dashboard_link
     return (
         f"<div><strong>ParameterServerStrategy</strong> &mdash; {len(strategy._ps)} parameter servers, "
         f"{len(trainers)} trainers &mdash; dashboard: <a href='{html.escape(link)}' target='_blank'>"
         f"{html.escape(link)}</a>"
         + _table(["server", "address", "variables", "bytes", "reads", "updates", "state"], rows)
-        + _table(["trainer", "worker name"], trainers)
+        + _table(["trainer", "worker name", "address"], trainers)
         + "</div>"
     )
 
@@ -69,7 +78,7 @@ def strategy_text(strategy: Any) -> str:
                          f"{format_bytes(r['nbytes'])}, {r['reads']:,} reads, {r['updates']:,} updates")
         else:
             lines.append(f"  ps {r['task']} {r['address']}: {r['status']}")
-    lines += [f"  worker {i}: {name}" for i, name in enumerate(strategy._worker_names)]
+    lines += [f"  worker {i}: {name} {addr}" for i, (name, addr) in enumerate(_trainers(strategy))]
     return "\n".join(lines)
 
 
