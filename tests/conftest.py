@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -73,3 +77,34 @@ def wait_for_worker(client: Client, name: str, old_address: str, timeout: float 
             pass
         time.sleep(0.1)
     raise TimeoutError(f"worker {name} did not come back in {timeout}s")
+
+
+def _start(args, env):
+    return subprocess.Popen([sys.executable, "-m", *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+@contextlib.contextmanager
+def dask_cli_cluster(tmp_path, resources, scheduler_args=()):
+    """A real ``dask scheduler`` and one ``dask worker`` per resource, on 127.0.0.1; yields a Client."""
+    env = {**os.environ, "DASK_DISTRIBUTED__WORKER__DAEMON": "False"}
+    sched_file = tmp_path / "scheduler.json"
+    procs = [_start(["distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", "0",
+                     "--dashboard-address", "127.0.0.1:0", "--scheduler-file", str(sched_file),
+                     *scheduler_args], env)]
+    try:
+        deadline = time.monotonic() + 60
+        while not sched_file.exists():
+            assert time.monotonic() < deadline, "dask scheduler did not start"
+            time.sleep(0.1)
+        address = json.loads(sched_file.read_text())["address"]
+        for resource in resources:
+            procs.append(_start(["distributed.cli.dask_worker", address, "--host", "127.0.0.1",
+                                 "--nthreads", "1", "--resources", resource, "--no-dashboard"], env))
+        with Client(address) as client:
+            client.wait_for_workers(len(resources), timeout=60)
+            yield client
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)

@@ -1,17 +1,12 @@
 """LocalPSCluster, DaskClusterResolver, and the CLI recipe with real processes."""
 
-import json
-import os
-import subprocess
-import sys
-import time
 import urllib.request
 
 import numpy as np
 import pytest
-from distributed import Client
 
 import daskps as dps
+from tests.conftest import dask_cli_cluster
 
 from .conftest import kill_worker, wait_for_worker
 
@@ -76,37 +71,14 @@ def test_resolver_validates_arguments(client):
         dps.DaskClusterResolver(client, ps_resource="x", worker_resource="x")
 
 
-def _start(args, env):
-    return subprocess.Popen([sys.executable, "-m", *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
 def test_cli_recipe_dask_scheduler_and_workers(tmp_path):
     """The README's multi-machine recipe, on one machine: real dask CLI processes."""
-    env = {**os.environ, "DASK_DISTRIBUTED__WORKER__DAEMON": "False"}
-    sched_file = tmp_path / "scheduler.json"
-    procs = [_start(["distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", "0",
-                     "--dashboard-address", "127.0.0.1:0", "--scheduler-file", str(sched_file)], env)]
-    try:
-        deadline = time.monotonic() + 60
-        while not sched_file.exists():
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        address = json.loads(sched_file.read_text())["address"]
-        for resource in ("ps=1", "worker=1", "worker=1"):
-            procs.append(_start(["distributed.cli.dask_worker", address, "--host", "127.0.0.1",
-                                 "--nthreads", "1", "--resources", resource, "--no-dashboard"], env))
-        with Client(address) as client:
-            client.wait_for_workers(3, timeout=60)
-            strategy = dps.ParameterServerStrategy(client)
-            coordinator = dps.ClusterCoordinator(strategy)
-            with strategy.scope():
-                v = dps.Variable(np.zeros(3, np.float32))
-            for _ in range(10):
-                coordinator.schedule(lambda: v.assign_add(np.ones(3, np.float32)))
-            coordinator.join()
-            np.testing.assert_array_equal(v.numpy(), np.full(3, 10.0))
-    finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            p.wait(timeout=30)
+    with dask_cli_cluster(tmp_path, ["ps=1", "worker=1", "worker=1"]) as client:
+        strategy = dps.ParameterServerStrategy(client)
+        coordinator = dps.ClusterCoordinator(strategy)
+        with strategy.scope():
+            v = dps.Variable(np.zeros(3, np.float32))
+        for _ in range(10):
+            coordinator.schedule(lambda: v.assign_add(np.ones(3, np.float32)))
+        coordinator.join()
+        np.testing.assert_array_equal(v.numpy(), np.full(3, 10.0))

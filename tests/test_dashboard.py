@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 import urllib.request
@@ -12,7 +11,7 @@ import numpy as np
 from distributed import Client
 
 import daskps as dps
-from tests.test_cluster import _start
+from tests.conftest import dask_cli_cluster
 
 ROUTE = "/individual-daskps"
 
@@ -70,25 +69,5 @@ def test_page_on_a_local_cluster(client):
 
 
 def test_page_on_a_dask_scheduler_started_with_preload(tmp_path):
-    env = {**os.environ, "DASK_DISTRIBUTED__WORKER__DAEMON": "False"}
-    sched_file = tmp_path / "scheduler.json"
-    procs = [_start(["distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", "0",
-                     "--dashboard-address", "127.0.0.1:0", "--scheduler-file", str(sched_file),
-                     "--preload", "daskps.dashboard"], env)]
-    try:
-        deadline = time.monotonic() + 60
-        while not sched_file.exists():
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        address = json.loads(sched_file.read_text())["address"]
-        for resource in ("ps=1", "ps=1", "worker=1"):
-            procs.append(_start(["distributed.cli.dask_worker", address, "--host", "127.0.0.1",
-                                 "--nthreads", "1", "--resources", resource, "--no-dashboard"], env))
-        with Client(address) as client:
-            client.wait_for_workers(3, timeout=60)
-            check_page(client)
-    finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            p.wait(timeout=30)
+    with dask_cli_cluster(tmp_path, ["ps=1", "ps=1", "worker=1"], ["--preload", "daskps.dashboard"]) as client:
+        check_page(client)
