@@ -177,6 +177,7 @@ class ClusterCoordinator:
         self.stats = {"scheduled": 0, "done": 0, "failed": 0, "cancelled": 0}
         self.last_error: BaseException | None = None
         self._created = time.monotonic()
+        self._joined_at = 0  # functions scheduled before the last join() that found nothing pending
 
     @property
     def strategy(self) -> ParameterServerStrategy:
@@ -282,6 +283,8 @@ class ClusterCoordinator:
         with self._cond:
             while self._pending and self._error is None:
                 self._cond.wait(timeout=1.0)
+            if not self._pending:
+                self._joined_at = self.stats["scheduled"]
         self._raise_pending_error()
 
     def done(self) -> bool:
@@ -322,6 +325,7 @@ class ClusterCoordinator:
             in_flight = len(self._pending)
         elapsed = max(time.monotonic() - self._created, 1e-9)
         return dict(self.stats, in_flight=in_flight, per_second=self.stats["done"] / elapsed,
+                    since_join=self.stats["scheduled"] - self._joined_at,
                     last_error=None if self.last_error is None else repr(self.last_error))
 
     def _repr_html_(self) -> str:

@@ -102,6 +102,9 @@ def progress(coordinator: Any, metrics: dict[str, Any] | None = None, interval: 
              label: str = "training", file: Any = None, notebook: bool | None = None) -> ProgressBar:
     """Wait for everything ``coordinator`` has scheduled, showing a progress bar.
 
+    The bar counts the functions scheduled since the last ``join()`` (or
+    ``progress()``), including those already finished.
+
     ``metrics`` maps names to ``dps.metrics`` objects (or zero-argument
     callables) shown with their latest values. Raises what ``join()``
     raises. Returns the bar (``.last`` is its final line).
@@ -109,15 +112,12 @@ def progress(coordinator: Any, metrics: dict[str, Any] | None = None, interval: 
     >>> dps.progress(coordinator, {"loss": train_loss})        # doctest: +SKIP
     training [##############################] 240/240 steps 31.5/s loss=0.5072
     """
-    start = coordinator.summary()
-    base = start["done"] + start["failed"] + start["cancelled"]
-    bar = ProgressBar(label, start["in_flight"], "steps", file=file, notebook=notebook)
+    bar = ProgressBar(label, coordinator.summary()["since_join"], "steps", file=file, notebook=notebook)
     try:
         while True:
             s = coordinator.summary()
-            finished = s["done"] + s["failed"] + s["cancelled"] - base
-            bar.total = max(bar.total, finished + s["in_flight"])
-            bar.update(finished, _metric_text(metrics))
+            bar.total = s["since_join"]  # everything scheduled since the last join(), done or not
+            bar.update(bar.total - s["in_flight"], _metric_text(metrics))
             if s["in_flight"] == 0:
                 break
             time.sleep(interval)
