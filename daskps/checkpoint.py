@@ -207,12 +207,13 @@ class Checkpoint:
             raise ValueError(f"no checkpoint at {path!r}: no {MANIFEST} (never written, or its save did not finish)") from None
         tensors, optimizers = _collect(self._objects)
         saved = manifest["tensors"]
-        _check_match(tensors, saved, path)
+        slots_of = _slot_index(saved)
+        _check_match(tensors, saved, slots_of, path)
         items = []
         for name, t in tensors.items():
             for v, offset in t.parts:
                 stop = offset + (v.shape[0] if v.shape else 1)
-                slots = {o.slot_key: _saved_slots(saved, name, p) for p, o in optimizers.items()} if t.slotted else {}
+                slots = {o.slot_key: _saved_slots(slots_of, name, p) for p, o in optimizers.items()} if t.slotted else {}
                 pieces = saved[name]["pieces"]
                 items.append((v, ({"start": offset, "stop": stop, "pieces": pieces, "slots": slots},)))
         _two_phase_restore(path, items)
@@ -269,7 +270,19 @@ def _tensors(records: list[dict]) -> dict[str, dict]:
     return out
 
 
-def _check_match(tensors: dict[str, _Tensor], saved: dict, path: str) -> None:
+def _slot_index(saved: dict) -> dict[str, dict[str, dict[str, tuple[str, dict]]]]:
+    """Slot tensors by variable, optimizer and slot: ``{tensor: {opt_path: {slot: (name, entry)}}}``."""
+    index: dict[str, dict[str, dict[str, tuple[str, dict]]]] = {}
+    marker = f"/{ckpt_io.SLOT}/"
+    for name, entry in saved.items():
+        if marker in name:
+            tensor, rest = name.split(marker, 1)
+            opt_path, slot = rest.rsplit("/", 1)
+            index.setdefault(tensor, {}).setdefault(opt_path, {})[slot] = (name, entry)
+    return index
+
+
+def _check_match(tensors: dict[str, _Tensor], saved: dict, slots_of: dict, path: str) -> None:
     problems = []
     for name, t in tensors.items():
         entry = saved.get(name)
@@ -279,18 +292,18 @@ def _check_match(tensors: dict[str, _Tensor], saved: dict, path: str) -> None:
             problems.append(f"{name}: checkpoint has shape {tuple(entry['shape'])}, object has {t.shape}")
         elif not np.can_cast(np.dtype(entry["dtype"]), t.dtype, casting="same_kind"):
             problems.append(f"{name}: checkpoint has dtype {np.dtype(entry['dtype'])}, object has {t.dtype}")
-        for slot_name, slot in saved.items():
-            if t.slotted and slot_name.startswith(f"{name}/{ckpt_io.SLOT}/") and tuple(slot["shape"]) != t.shape:
-                problems.append(f"{slot_name}: checkpoint has shape {tuple(slot['shape'])}, variable has {t.shape}")
+        for per_slot in slots_of.get(name, {}).values() if t.slotted else ():
+            for slot_name, slot in per_slot.values():
+                if tuple(slot["shape"]) != t.shape:
+                    problems.append(f"{slot_name}: checkpoint has shape {tuple(slot['shape'])}, variable has {t.shape}")
     if problems:
         unused = sorted(n for n in saved if n not in tensors and f"/{ckpt_io.SLOT}/" not in n)
         hint = f"\n  (in the checkpoint but not asked for: {', '.join(unused)})" if unused else ""
         raise ValueError(f"cannot restore from {path!r}; nothing was changed:\n  " + "\n  ".join(problems) + hint)
 
 
-def _saved_slots(saved: dict, tensor: str, opt_path: str) -> dict | None:
-    prefix = f"{tensor}/{ckpt_io.SLOT}/{opt_path}/"
-    found = {n[len(prefix):]: t for n, t in saved.items() if n.startswith(prefix)}
+def _saved_slots(slots_of: dict, tensor: str, opt_path: str) -> dict | None:
+    found = {slot: entry for slot, (_, entry) in slots_of.get(tensor, {}).get(opt_path, {}).items()}
     if not found:
         return None
     return {"step": max(t["step"] or 0 for t in found.values()), "pieces": {s: t["pieces"] for s, t in found.items()}}
