@@ -166,10 +166,17 @@ class Optimizer:
 def check_gradient(shape: tuple, dtype: np.dtype, name: str, grad: Any) -> tuple[str, Any]:
     """``("dense", array)`` or ``("rows", (indices, values))``, checked against the variable."""
     if isinstance(grad, IndexedSlices):
+        return check_gradient_of_kind(shape, dtype, name, "rows", (grad.indices, grad.values))
+    return check_gradient_of_kind(shape, dtype, name, "dense", grad)
+
+
+def check_gradient_of_kind(shape: tuple, dtype: np.dtype, name: str, kind: str, grad: Any) -> tuple[str, Any]:
+    """As :func:`check_gradient`, for a gradient already split into ``kind`` and payload."""
+    if kind == "rows":
         if not shape:
             raise ValueError(f"gradient for scalar variable {name!r} cannot be IndexedSlices")
-        idx = check_indices(grad.indices, shape[0], name, "gradient indices")
-        values = coerce_values(grad.values, dtype, name, "gradient values")
+        idx = check_indices(grad[0], shape[0], name, "gradient indices")
+        values = coerce_values(grad[1], dtype, name, "gradient values")
         if values.shape != idx.shape + tuple(shape[1:]):
             raise ValueError(
                 f"gradient values for variable {name!r} must have shape {idx.shape + tuple(shape[1:])}, "

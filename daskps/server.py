@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 
 from daskps import ckpt_io
-from daskps.indexed_slices import IndexedSlices
 from daskps.updates import apply_update, check_update
 
 
@@ -218,14 +217,12 @@ class ParameterServer(ckpt_io.Holder):
         ``kind`` is ``"dense"`` or ``"rows"`` (``(indices, values)``). Every
         gradient is checked first; ``bump`` names a counter to add 1 to.
         """
-        from daskps.optimizers import check_gradient
+        from daskps.optimizers import check_gradient_of_kind
 
         checked = []
         for key, kind, grad in items:
             arr = self._get(key)
-            name = self._names[key]
-            got_kind, payload = check_gradient(arr.shape, arr.dtype, name, IndexedSlices(grad[1], grad[0]) if kind == "rows" else grad)
-            checked.append((key, arr, got_kind, payload))
+            checked.append((key, arr, *check_gradient_of_kind(arr.shape, arr.dtype, self._names[key], kind, grad)))
         if bump is not None:
             self._get(bump)
         slots = self._slots.setdefault(optimizer.slot_key, {})
