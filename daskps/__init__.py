@@ -1,5 +1,17 @@
 """daskps: TensorFlow-style parameter-server training on Dask distributed.
 
+The package is layered; each layer imports only those below it:
+
+- ``_core``: numpy only (update checks and maths, optimizer transforms,
+  initializers, the checkpoint piece format);
+- ``ps``: the parameter server, the protocol that talks to it, server groups
+  and the reference counts that keep server-side objects alive;
+- ``ui``: reprs, the dashboard page and progress bars;
+- ``distribute``: contexts, clusters, partitioners, placement, the strategy;
+- ``variables``: ``Variable``, ``ShardedVariable``, embedding lookups;
+- ``training``: optimizers, metrics, checkpoints, the sidecar evaluator;
+- ``coordinator``: scheduled functions and per-worker datasets.
+
 >>> import daskps as dps
 >>> cluster = dps.LocalPSCluster(num_ps=2, num_workers=2)      # doctest: +SKIP
 >>> strategy = dps.ParameterServerStrategy(cluster.get_client())  # doctest: +SKIP
@@ -9,29 +21,25 @@
 from __future__ import annotations
 
 from daskps import errors, metrics, optimizers, partitioners
-from daskps.checkpoint import Checkpoint, CheckpointManager
-from daskps.cluster import DaskClusterResolver, LocalPSCluster
-from daskps.context import (
-    InputContext,
-    InputOptions,
-    ReduceOp,
+from daskps._core.slices import IndexedSlices
+from daskps.coordinator.coordinator import ClusterCoordinator, RemoteValue
+from daskps.coordinator.datasets import PerWorkerDataset, PerWorkerIterator, PerWorkerValues
+from daskps.distribute.cluster import DaskClusterResolver, LocalPSCluster
+from daskps.distribute.context import (
     ReplicaContext,
-    RunOptions,
-    ValueContext,
     get_replica_context,
     get_strategy,
     has_strategy,
     in_cross_replica_context,
 )
-from daskps.coordinator import ClusterCoordinator, RemoteValue
-from daskps.datasets import PerWorkerDataset, PerWorkerIterator, PerWorkerValues
-from daskps.indexed_slices import IndexedSlices
-from daskps.partitioners import create_partitioned_variables
-from daskps.progress import progress
-from daskps.sharding import ShardedVariable, embedding_lookup
-from daskps.sidecar import SidecarEvaluator
-from daskps.strategy import ParameterServerStrategy
-from daskps.variables import Variable, read_values
+from daskps.distribute.strategy import ParameterServerStrategy
+from daskps.distribute.values import InputContext, InputOptions, ReduceOp, RunOptions, ValueContext
+from daskps.training.checkpoint import Checkpoint, CheckpointManager
+from daskps.training.sidecar import SidecarEvaluator
+from daskps.ui.progress import progress
+from daskps.variables.embedding import embedding_lookup
+from daskps.variables.partitioned import create_partitioned_variables
+from daskps.variables.variable import ShardedVariable, Variable, read_values
 
 __version__ = "0.1.0"
 

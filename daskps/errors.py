@@ -3,7 +3,8 @@
 The hierarchy::
 
     DaskPSError
-    ├── PSUnavailableError      a parameter server cannot be reached
+    ├── PSUnavailableError      a parameter server cannot be reached, or lost its state
+    ├── ClosedError             the strategy (or the Dask client) was closed
     ├── CancelledError          a scheduled function was cancelled
     ├── OutOfRangeError         a per-worker iterator is exhausted
     └── NotScheduledError       a worker-only API used outside a scheduled function
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 __all__ = [
     "CancelledError",
+    "ClosedError",
     "DaskPSError",
     "NotScheduledError",
     "OutOfRangeError",
@@ -31,8 +33,16 @@ class PSUnavailableError(DaskPSError, ConnectionError):
     """A parameter server could not be reached or has lost its state.
 
     Raised when the worker holding a parameter-server actor has died or
-    restarted. Variables held by that server are gone; restore them from a
-    checkpoint on a new strategy.
+    restarted. The message says which, and names the variables that server
+    held: they are gone; restore them from a checkpoint.
+    """
+
+
+class ClosedError(DaskPSError, RuntimeError):
+    """Something was used after ``strategy.close()`` or ``client.close()``.
+
+    Closing a ``ParameterServerStrategy`` releases its parameter servers, and
+    with them every variable, optimizer slot and dataset made through it.
     """
 
 

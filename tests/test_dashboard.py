@@ -6,6 +6,7 @@ import json
 import re
 import time
 import urllib.request
+from typing import Any
 
 import numpy as np
 from distributed import Client
@@ -37,7 +38,7 @@ def page_text(base: str, want: str, timeout: float = 30) -> str:
             time.sleep(0.3)
 
 
-def exercise(client: Client) -> tuple[dps.ParameterServerStrategy, list[str]]:
+def exercise(client: Client) -> tuple[Any, list[str]]:
     strategy = dps.ParameterServerStrategy(client, variable_partitioner=dps.partitioners.FixedShardsPartitioner(2))
     coordinator = dps.ClusterCoordinator(strategy)
     with strategy.scope():
@@ -45,11 +46,11 @@ def exercise(client: Client) -> tuple[dps.ParameterServerStrategy, list[str]]:
     for _ in range(6):
         coordinator.schedule(lambda: table.scatter_add(dps.IndexedSlices(np.ones((1, 4), np.float32), [1])))
     coordinator.join()
-    return strategy, [ps.address for ps in strategy._ps]
+    return (strategy, table), [ps.address for ps in strategy._ps]  # held: dropped variables are freed
 
 
 def check_page(client: Client) -> str:
-    strategy, addresses = exercise(client)
+    held, addresses = exercise(client)
     base = dashboard_base(client)
     plots = json.loads(urllib.request.urlopen(base + "/individual-plots.json").read())
     assert ROUTE in plots.values()  # what dask-labextension lists as panels

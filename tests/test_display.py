@@ -11,13 +11,14 @@ from tests.conftest import kill_worker
 
 def test_strategy_html_lists_servers_trainers_and_dashboard(strategy):
     with strategy.scope():
-        dps.Variable(np.zeros(1000, np.float32), name="big")
-        dps.Variable(np.zeros(10, np.float32), name="small")
+        held = [dps.Variable(np.zeros(1000, np.float32), name="big"),  # dropped variables are freed
+                dps.Variable(np.zeros(10, np.float32), name="small")]
     page = strategy._repr_html_()
     for ps in strategy._ps:
         assert ps.address in page
     assert page.count("<tr>") >= 2 + 2 + 2  # headers + 2 servers + 2 trainers
     assert strategy.client.dashboard_link in page and "3.91 kiB" in page
+    del held
     text = strategy.summary()
     assert "ps 0" in text and "ps 1" in text and "worker 1: worker-1 tcp://127.0.0.1:" in text
 
@@ -27,9 +28,9 @@ def test_variable_and_sharded_variable_html(strategy):
         v = dps.Variable(np.zeros((4, 2), np.float32), name="v")
         parts = [dps.Variable(np.zeros((3, 2), np.float32), name=f"t/part_{i}") for i in range(2)]
     page = v._repr_html_()
-    assert "(4, 2)" in page and v._store.ps.address in page
+    assert "(4, 2)" in page and v._ref.server.address in page
     sv_page = dps.ShardedVariable(parts, name="t")._repr_html_()
-    assert "t/part_1" in sv_page and "3:6" in sv_page and parts[1]._store.ps.address in sv_page
+    assert "t/part_1" in sv_page and "3:6" in sv_page and parts[1]._ref.server.address in sv_page
     assert "this process" in dps.Variable([1.0])._repr_html_()
 
 

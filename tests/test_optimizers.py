@@ -84,19 +84,18 @@ def test_slots_live_beside_their_variables(strategy):
         opt = dps.optimizers.Adam(0.1)
         a, b = dps.Variable(np.ones(3, np.float32)), dps.Variable(np.ones((2, 2), np.float32))
     opt.apply_gradients([(np.ones(3, np.float32), a), (np.ones((2, 2), np.float32), b)])
-    from daskps.transport import transport_for
 
     def slots(dask_worker):
         for actor in dask_worker.state.actors.values():
             if hasattr(actor, "_slots"):
                 for per_var in actor._slots.values():
-                    yield from ((k, sorted(s)) for k, s in per_var.items())
+                    yield from ((k, type(s).__name__, sorted(s._asdict())) for k, s in per_var.items())
 
     seen = strategy.client.run(lambda dask_worker: list(slots(dask_worker)))
-    where = {k: addr for addr, found in seen.items() for k, _ in found}
-    assert where[a._store.key] == a._store.ps.address and where[b._store.key] == b._store.ps.address
-    assert sorted(next(s for found in seen.values() for k, s in found if k == a._store.key)) == ["m", "step", "v"]
-    assert transport_for(strategy.client) is not None
+    where = {k: addr for addr, found in seen.items() for k, _, _ in found}
+    assert where[a._ref.key] == a._ref.server.address and where[b._ref.key] == b._ref.server.address
+    state = next((kind, fields) for found in seen.values() for k, kind, fields in found if k == a._ref.key)
+    assert state == ("AdamState", ["count", "m", "v", "v_hat"])  # typed state; v_hat unused without amsgrad
 
 
 def test_sparse_gradient_is_row_local_by_default(strategy):
@@ -151,11 +150,12 @@ def test_server_checks_gradients_too(strategy):
     with strategy.scope():
         opt = dps.optimizers.SGD(0.1)
         v = dps.Variable(np.ones(3, np.float32))
-    from daskps.transport import transport_for
+    from daskps.ps import protocol
 
-    work = [(v._store.key, "dense", np.ones(3, np.float32)), (v._store.key, "dense", np.ones(4, np.float32))]
+    work = [(v._ref.key, "dense", np.ones(3, np.float32)), (v._ref.key, "dense", np.ones(4, np.float32))]
+    bump = opt.iterations._ref.key if opt.iterations._ref.server == v._ref.server else None
     with pytest.raises(ValueError, match="shape"):
-        transport_for(strategy.client).call(v._store.ps, "apply_gradients", opt, work, opt.iterations._store.key)
+        protocol._run([(v._ref.server, "apply_gradients", (opt._key, work, bump))])
     assert v.numpy().tolist() == [1, 1, 1] and int(opt.iterations.numpy()) == 0
 
 

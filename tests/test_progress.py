@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 import daskps as dps
-from daskps.progress import ProgressBar
+from daskps.ui.progress import ProgressBar
 
 
 def test_training_progress_shows_steps_and_metrics(strategy, coordinator):

@@ -349,9 +349,9 @@ def test_training_code_reads_shards_from_the_worker(partitioned, client):
         table = dps.Variable(full, name="table")
 
     def step(ids):
-        from daskps.transport import transport_for
+        from daskps.ps import protocol
 
-        assert transport_for()._pool is get_worker().rpc  # the worker's own connections
+        assert protocol.transport_here().pool is get_worker().rpc  # the worker's own connections
         rows = strategy.run(lambda: dps.embedding_lookup(table, ids))
         table.scatter_add(dps.IndexedSlices(np.ones((len(ids), 2), np.float32), ids))
         return rows.sum(), table[ids[0]]

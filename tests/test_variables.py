@@ -7,7 +7,7 @@ import pytest
 from distributed import get_worker
 
 import daskps as dps
-from daskps.variables import Variable
+from daskps.variables.variable import Variable
 
 
 def test_local_variable_lives_in_this_process():
@@ -132,13 +132,11 @@ def test_server_validates_too(strategy):
     """The ps checks every update before applying any: a batch with one bad item changes nothing."""
     with strategy.scope():
         a = dps.Variable([1.0, 2.0])
-    ps = a._store.ps
-    from daskps.transport import transport_for
+    from daskps.ps import protocol
 
     with pytest.raises(ValueError, match="shape"):
-        transport_for(strategy.client).call(
-            ps, "update", [(a._store.key, "add", np.ones(2, np.float32)), (a._store.key, "add", np.ones(3))]
-        )
+        protocol._run([(a._ref.server, "update", ([(a._ref.key, "add", np.ones(2, np.float32)),
+                                                   (a._ref.key, "add", np.ones(3))],))])
     np.testing.assert_array_equal(a.numpy(), [1.0, 2.0])
 
 

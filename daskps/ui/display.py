@@ -13,7 +13,7 @@ from typing import Any
 import dask.config
 from dask.utils import format_bytes, parse_timedelta
 
-from daskps.transport import Call, transport_for
+from daskps.ps import protocol
 
 
 def display_timeout() -> float:
@@ -22,7 +22,10 @@ def display_timeout() -> float:
 
 def server_rows(strategy: Any) -> list[dict[str, Any]]:
     """One row per parameter server: address, state, variables, bytes, reads, updates."""
-    results = transport_for(strategy.client).call_each([Call(ps, "stats") for ps in strategy._ps], display_timeout())
+    if strategy.closed:
+        return [{"task": ps.task_id, "device": ps.device, "address": ps.address, "status": "closed"}
+                for ps in strategy._ps]
+    results = protocol.stats(strategy._ps, strategy._group, display_timeout())
     rows = []
     for ps, res in zip(strategy._ps, results):
         row: dict[str, Any] = {"task": ps.task_id, "device": ps.device, "address": ps.address}
@@ -83,8 +86,8 @@ def strategy_text(strategy: Any) -> str:
 
 
 def _where(v: Any) -> str:
-    store = v._store
-    return getattr(getattr(store, "ps", None), "address", "this process")
+    server = v._ref.server
+    return "this process" if server.is_local else server.address
 
 
 def variable_html(v: Any) -> str:

@@ -51,18 +51,15 @@ def write_piece(fs: Any, root: str, tensor: str, offset: int, array: np.ndarray)
 
 
 def write_with_slots(
-    fs: Any, root: str, tensor: str, offset: int, array: np.ndarray, slot_states: list[tuple[str, dict | None]]
+    fs: Any, root: str, tensor: str, offset: int, array: np.ndarray,
+    slot_states: list[tuple[str, int, dict[str, np.ndarray]]],
 ) -> list[dict[str, Any]]:
-    """Write a variable piece and, for each ``(optimizer_path, slots)``, its slot pieces."""
+    """Write a variable piece and, for each ``(optimizer_path, count, slots)``, its slot pieces."""
     records = [write_piece(fs, root, tensor, offset, array)]
-    for opt_path, state in slot_states:
-        if state is None:
-            continue
-        for slot, value in sorted(state.items()):
-            if slot == "step":
-                continue
+    for opt_path, count, slots in slot_states:
+        for slot, value in sorted(slots.items()):
             rec = write_piece(fs, root, slot_tensor(tensor, opt_path, slot), offset, value)
-            rec["step"] = int(state["step"])
+            rec["step"] = int(count)
             records.append(rec)
     return records
 
@@ -116,75 +113,19 @@ def read_rows(
 def load_target(fs: Any, root: str, spec: dict, shape: tuple, dtype: np.dtype) -> tuple[np.ndarray, dict]:
     """Read one restore target: its rows, and the slots of each optimizer named in ``spec``.
 
-    ``spec``: ``{"start", "stop", "pieces", "slots": {slot_key: {"step", "pieces": {slot: [...]}} | None}}``.
-    Returns the value (of ``shape``) and ``{slot_key: state or None}``.
+    ``spec``: ``{"start", "stop", "pieces", "slots": {opt_key: {"step", "pieces": {slot: [...]}} | None}}``.
+    Returns the value (of ``shape``) and ``{opt_key: (count, {slot: array}) or None}``.
     """
     start, stop = spec["start"], spec["stop"]
     value = read_rows(fs, root, start, stop, spec["pieces"], shape[1:], dtype).reshape(shape)
     slots: dict[str, Any] = {}
-    for slot_key, saved in spec["slots"].items():
+    for opt_key, saved in spec["slots"].items():
         if saved is None:
-            slots[slot_key] = None
+            slots[opt_key] = None
             continue
-        state = {
+        arrays = {
             slot: read_rows(fs, root, start, stop, pieces, shape[1:], dtype).reshape(shape)
             for slot, pieces in saved["pieces"].items()
         }
-        slots[slot_key] = dict(state, step=np.int64(saved["step"]))
+        slots[opt_key] = (int(saved["step"]), arrays)
     return value, slots
-
-
-# -- the same steps for a parameter server and for local variables -------------------
-class Holder:
-    """Where arrays and optimizer slots live: a parameter server, or this process."""
-
-    def array(self, key: str) -> np.ndarray:
-        raise NotImplementedError
-
-    def slot_state(self, slot_key: str, key: str) -> dict | None:
-        raise NotImplementedError
-
-    def set_slot_state(self, slot_key: str, key: str, state: dict | None) -> None:
-        raise NotImplementedError
-
-    def replace(self, key: str, value: np.ndarray) -> None:
-        """Put ``value`` (same shape and dtype) in place of the array ``key``."""
-        raise NotImplementedError
-
-
-def save_specs(holder: Holder, base: str, specs: list) -> list[dict]:
-    """Write ``(key, tensor, offset, [(optimizer_path, slot_key)])`` pieces; return their records."""
-    import fsspec
-
-    fs, root = fsspec.core.url_to_fs(base)
-    fs.makedirs(root, exist_ok=True)
-    records = []
-    for key, tensor, offset, opts in specs:
-        states = [(opt_path, holder.slot_state(slot_key, key)) for opt_path, slot_key in opts]
-        records += write_with_slots(fs, root, tensor, offset, holder.array(key), states)
-    return records
-
-
-def stage_specs(holder: Holder, base: str, specs: list) -> list:
-    """Read ``(key, spec)`` targets (see :func:`load_target`) without changing anything."""
-    import fsspec
-
-    fs, root = fsspec.core.url_to_fs(base)
-    staged = []
-    for key, spec in specs:
-        arr = holder.array(key)
-        value, slots = load_target(fs, root, spec, arr.shape, arr.dtype)
-        staged.append((key, value, slots))
-    return staged
-
-
-def commit_staged(holder: Holder, staged: list) -> None:
-    """Put staged values and slots in place (nothing here can fail on valid input).
-
-    The staged arrays replace the old ones instead of being copied into them:
-    reads hand out copies, so nobody else holds the old arrays.
-    """
-    for key, value, slots in staged:
-        holder.replace(key, value)
-        for slot_key, state in slots.items():
-            holder.set_slot_state(slot_key, key, state)

@@ -3,7 +3,10 @@
 Each ``schedule`` call becomes one Dask task restricted to ``worker``-tagged
 workers and returns a :class:`RemoteValue` at once. The function, its
 arguments and kwargs are pickled here, once: that both checks that they can
-travel and is the only serialization they get.
+travel and is the only serialization they get. Whatever server-side objects
+they refer to (variables, optimizers, datasets) are kept alive until the
+function has run, and a variable that lives only in this process is
+refused.
 
 Errors follow TensorFlow's coordinator: the first error a function raises is
 kept and raised once, by whichever of ``join``, ``done`` or ``schedule`` comes
@@ -23,16 +26,20 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import cloudpickle
 from distributed import Client
 from distributed.client import FutureCancelledError
 from distributed.utils import CancelledError as _DaskCancelled
 
-from daskps._nest import map_structure
-from daskps._pickling import dumps_or_explain
-from daskps.datasets import PerWorkerDataset, PerWorkerValues, local_worker_index
+from daskps._core.nest import map_structure
+from daskps._core.pickling import dumps_or_explain
+from daskps.coordinator.datasets import PerWorkerDataset, PerWorkerValues, local_worker_index
+from daskps.distribute.context import scheduled_function
+from daskps.distribute.strategy import ParameterServerStrategy
 from daskps.errors import CancelledError
-from daskps.strategy import _SCHEDULED, ParameterServerStrategy
-from daskps.variables import Variable
+from daskps.ps import refs
+from daskps.ui.display import coordinator_html
+from daskps.variables.variable import ShardedVariable, Variable
 
 __all__ = ["ClusterCoordinator", "RemoteValue"]
 
@@ -91,7 +98,7 @@ def _to_numpy(structure: Any) -> Any:
     def convert(x: Any) -> Any:
         if isinstance(x, RemoteValue):
             return x.fetch()
-        if isinstance(x, Variable) or hasattr(x, "_shard_variables"):
+        if isinstance(x, (Variable, ShardedVariable)):
             return x.numpy()
         return x
 
@@ -109,21 +116,34 @@ def _refuse_remote_values(structure: Any, arg: str) -> None:
     map_structure(check, structure)
 
 
-def _execute_closure(strategy_blob: bytes, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def _execute_closure(strategy_blob: bytes, closure_blob: bytes) -> Any:
     """Runs on a training worker: one scheduled function."""
     strategy = pickle.loads(strategy_blob)
-    # Iterators resolve themselves on the worker; plain PerWorkerValues need its index.
-    if any(type(x) is PerWorkerValues for x in (*args, *kwargs.values())):
-        index = local_worker_index(tuple(strategy._worker_names))
-        local = lambda x: x._local(index) if type(x) is PerWorkerValues else x
-        args = map_structure(local, args)
-        kwargs = map_structure(local, kwargs)
-    token = _SCHEDULED.set(True)
-    try:
-        with strategy.scope():
-            return fn(*args, **kwargs)
-    finally:
-        _SCHEDULED.reset(token)
+    with refs.borrowing():  # handles the function leaves behind are acquired for this worker
+        fn, args, kwargs = pickle.loads(closure_blob)
+        # Iterators resolve themselves on the worker; plain PerWorkerValues need its index.
+        if any(type(x) is PerWorkerValues for x in (*args, *kwargs.values())):
+            index = local_worker_index(tuple(strategy._worker_names))
+            local = lambda x: x._local(index) if type(x) is PerWorkerValues else x
+            args = map_structure(local, args)
+            kwargs = map_structure(local, kwargs)
+        try:
+            with scheduled_function(), strategy.scope():
+                return fn(*args, **kwargs)
+        finally:
+            del fn, args, kwargs
+
+
+def _pickle_closure(fn: Callable[..., Any], args: tuple, kwargs: dict, name: str) -> tuple[bytes, list[Any]]:
+    """The pickled ``(fn, args, kwargs)`` and what must stay alive until it has run."""
+    with refs.collecting() as kept:
+        try:
+            return cloudpickle.dumps((fn, args, kwargs)), kept
+        except ValueError:
+            raise  # a variable of this process only: its message says what to do
+        except Exception:
+            dumps_or_explain((fn, args, kwargs), f"the function {name!r} or its arguments")
+            raise
 
 
 class ClusterCoordinator:
@@ -155,6 +175,7 @@ class ClusterCoordinator:
             raise TypeError(f"strategy must be a ParameterServerStrategy, got {type(strategy).__name__}")
         if strategy.client is None:
             raise RuntimeError("a ClusterCoordinator can only be made on the coordinator, not on a worker")
+        strategy._check_open("ClusterCoordinator(strategy)")
         if strategy._coordinator is None:
             self = super().__new__(cls)
             self._setup(strategy)
@@ -170,6 +191,7 @@ class ClusterCoordinator:
         self._strategy_blob = dumps_or_explain(strategy, "strategy")
         self._cond = threading.Condition()
         self._pending: dict[str, RemoteValue] = {}
+        self._kept: dict[str, list[Any]] = {}  # what each pending function refers to, kept alive
         self._error: BaseException | None = None
         self._unwatched: list[Any] = []
         self._watch_queued = False
@@ -209,21 +231,18 @@ class ClusterCoordinator:
             raise TypeError(f"kwargs must be a dict, got {type(kwargs).__name__}")
         _refuse_remote_values(args, "args")
         _refuse_remote_values(kwargs, "kwargs")
+        self._strategy._check_open("coordinator.schedule")
         self._raise_pending_error()
         name = getattr(fn, "__name__", type(fn).__name__)
         key = f"daskps-{name}-{next(self._counter)}-{self._strategy._token[:8]}"
-        try:
-            # Dask pickles the function and its arguments here, once.
-            future = self._client.submit(
-                _execute_closure, self._strategy_blob, fn, tuple(args), kwargs,
-                key=key, resources={"worker": 1}, pure=False,
-            )
-        except Exception:
-            dumps_or_explain((fn, tuple(args), kwargs), f"the function {name!r} or its arguments")
-            raise
+        blob, kept = _pickle_closure(fn, tuple(args), kwargs, name)
+        future = self._client.submit(
+            _execute_closure, self._strategy_blob, blob, key=key, resources={"worker": 1}, pure=False,
+        )
         remote = RemoteValue(future)
         with self._cond:
             self._pending[key] = remote
+            self._kept[key] = kept
             self.stats["scheduled"] += 1
             self._unwatched.append(future)
             wake = not self._watch_queued
@@ -250,6 +269,7 @@ class ClusterCoordinator:
                 error = error.with_traceback(future._state.traceback)
         with self._cond:
             remote = self._pending.pop(future.key, None)
+            self._kept.pop(future.key, None)
             if remote is not None:
                 if error is not None:
                     self.stats["failed"] += 1
@@ -265,14 +285,21 @@ class ClusterCoordinator:
             error, self._error = self._error, None
             if error is None:
                 return
+        self._cancel_all()
+        raise error
+
+    def _cancel_all(self) -> None:
+        """Cancel every pending function (their RemoteValues raise CancelledError)."""
+        with self._cond:
             cancelled = list(self._pending.values())
             self._pending.clear()
+            self._kept.clear()
             self.stats["cancelled"] += len(cancelled)
+            self._cond.notify_all()
         for remote in cancelled:
             remote._cancel()
-        if cancelled:
+        if cancelled and self._client.status == "running":
             self._client.cancel([r._future for r in cancelled])
-        raise error
 
     def join(self) -> None:
         """Block until every scheduled function has finished.
@@ -329,8 +356,6 @@ class ClusterCoordinator:
                     last_error=None if self.last_error is None else repr(self.last_error))
 
     def _repr_html_(self) -> str:
-        from daskps.display import coordinator_html
-
         return coordinator_html(self)
 
     def __repr__(self) -> str:

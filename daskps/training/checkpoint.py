@@ -7,6 +7,9 @@ at once; the coordinator then writes ``manifest.json`` (to a temporary name,
 then renamed), which is the commit point: a save that dies before it leaves
 no checkpoint, and the previous one untouched.
 
+Dict keys are escaped as TensorFlow does (``.`` -> ``..``, ``/`` -> ``.S``),
+so ``{"dense/kernel": w}`` is one tensor, not a nesting.
+
 A sharded variable is one tensor stored in pieces; a restore reads, for each
 shard, just the rows it needs, so it works into any number of shards (or a
 plain variable), and optimizer slots follow their variable. A restore first
@@ -28,7 +31,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -36,12 +38,12 @@ import dask.config
 import fsspec
 import numpy as np
 
-from daskps import ckpt_io
-from daskps.metrics import Metric
-from daskps.optimizers import Optimizer
-from daskps.sharding import ShardedVariable
-from daskps.transport import Call, transport_for
-from daskps.variables import Variable, _by_server
+from daskps._core import ckpt_io
+from daskps.ps import protocol
+from daskps.training.metrics import Metric
+from daskps.training.optimizers import Optimizer
+from daskps.ui.progress import watch
+from daskps.variables.variable import ShardedVariable, Variable
 
 __all__ = ["Checkpoint", "CheckpointManager"]
 
@@ -56,6 +58,11 @@ class _Tensor:
         self.dtype = first.dtype
         rows = sum(v.shape[0] for v, _ in parts) if first.shape else None
         self.shape = first.shape if rows is None else (rows,) + first.shape[1:]
+
+
+def escape(name: str) -> str:
+    """One path component, with ``/`` escaped as TensorFlow escapes it (``.`` -> ``..``, ``/`` -> ``.S``)."""
+    return name.replace(".", "..").replace("/", ".S")
 
 
 def _collect(objects: dict[str, Any]) -> tuple[dict[str, _Tensor], dict[str, Optimizer]]:
@@ -75,9 +82,9 @@ def _collect(objects: dict[str, Any]) -> tuple[dict[str, _Tensor], dict[str, Opt
                 tensors[f"{path}/{v.name.rsplit('/', 1)[-1]}"] = _Tensor([(v, 0)], slotted=False)
         elif isinstance(obj, dict):
             for key in sorted(obj):
-                if not isinstance(key, str) or not key or "/" in key:
-                    raise TypeError(f"checkpoint keys must be non-empty str without '/', got {key!r} in {path!r}")
-                walk(obj[key], f"{path}/{key}")
+                if not isinstance(key, str) or not key:
+                    raise TypeError(f"checkpoint keys must be non-empty str, got {key!r} in {path!r}")
+                walk(obj[key], f"{path}/{escape(key)}")
         elif isinstance(obj, (list, tuple)):
             for i, item in enumerate(obj):
                 walk(item, f"{path}/{i}")
@@ -88,46 +95,8 @@ def _collect(objects: dict[str, Any]) -> tuple[dict[str, _Tensor], dict[str, Opt
             )
 
     for name, obj in objects.items():
-        walk(obj, name)
+        walk(obj, escape(name))
     return tensors, optimizers
-
-
-class _LocalHolder(ckpt_io.Holder):
-    """The checkpoint steps for variables kept in this process."""
-
-    def __init__(self) -> None:
-        self.stores: dict[str, Any] = {}
-
-    def add(self, var: Variable) -> str:
-        key = f"local-{id(var._store)}"
-        self.stores[key] = var._store
-        return key
-
-    def array(self, key: str) -> np.ndarray:
-        return self.stores[key].value
-
-    def replace(self, key: str, value: np.ndarray) -> None:
-        self.stores[key].value = value
-
-    def slot_state(self, slot_key: str, key: str) -> dict | None:
-        return getattr(self.stores[key], "slots", {}).get(slot_key)
-
-    def set_slot_state(self, slot_key: str, key: str, state: dict | None) -> None:
-        store = self.stores[key]
-        store.slots = getattr(store, "slots", {})
-        if state is None:
-            store.slots.pop(slot_key, None)
-        else:
-            store.slots[slot_key] = state
-
-
-def _group(items: list[tuple[Variable, Any]]) -> tuple[list[tuple[Any, list]], _LocalHolder, list, Any]:
-    """Per-server ``(ps, [spec, ...])`` with remote keys, plus local specs and their holder."""
-    by_ps, local, client = _by_server([v for v, _ in items])
-    remote = [(ps, [(items[i][0]._store.key, *items[i][1]) for i in idx]) for ps, idx in by_ps.items()]
-    holder = _LocalHolder()
-    local_specs = [(holder.add(items[i][0]), *items[i][1]) for i in local]
-    return remote, holder, local_specs, client
 
 
 class _LoadStatus:
@@ -171,17 +140,12 @@ class Checkpoint:
         tensors, optimizers = _collect(self._objects)
         items = []
         for name, t in tensors.items():
-            opts = [(p, o.slot_key) for p, o in optimizers.items()] if t.slotted else []
-            items += [(v, (name, offset, opts)) for v, offset in t.parts]
-        remote, holder, local_specs, client = _group(items)
-        records = ckpt_io.save_specs(holder, path, local_specs) if local_specs else []
-        if remote:
-            calls = [Call(ps, "save", (path, specs)) for ps, specs in remote]
-            nbytes = sum(v.nbytes for v, _ in items)
-            show = progress if progress is not None else nbytes >= float(dask.config.get("daskps.progress-bytes", 256 << 20))
-            run = lambda: transport_for(client).call_many(calls)  # noqa: E731
-            for result in (_with_progress(run, f"saving {path}", nbytes, fs, root) if show else run()):
-                records += result
+            opts = [(p, o._key) for p, o in optimizers.items()] if t.slotted else []
+            items += [(v._ref, (name, offset, opts)) for v, offset in t.parts]
+        nbytes = sum(v.nbytes for t in tensors.values() for v, _ in t.parts)
+        show = progress if progress is not None else nbytes >= float(dask.config.get("daskps.progress-bytes", 256 << 20))
+        run = lambda: protocol.save(path, items)  # noqa: E731
+        records = _with_progress(run, f"saving {path}", nbytes, fs, root) if show else run()
         manifest = {"format": "daskps-checkpoint/1", "save_counter": self.save_counter, "tensors": _tensors(records)}
         fs.pipe_file(f"{root}/{MANIFEST}.tmp", json.dumps(manifest, indent=1).encode())
         fs.mv(f"{root}/{MANIFEST}.tmp", f"{root}/{MANIFEST}")  # the commit point
@@ -213,10 +177,10 @@ class Checkpoint:
         for name, t in tensors.items():
             for v, offset in t.parts:
                 stop = offset + (v.shape[0] if v.shape else 1)
-                slots = {o.slot_key: _saved_slots(slots_of, name, p) for p, o in optimizers.items()} if t.slotted else {}
+                slots = {o._key: _saved_slots(slots_of, name, p) for p, o in optimizers.items()} if t.slotted else {}
                 pieces = saved[name]["pieces"]
-                items.append((v, ({"start": offset, "stop": stop, "pieces": pieces, "slots": slots},)))
-        _two_phase_restore(path, items)
+                items.append((v._ref, {"start": offset, "stop": stop, "pieces": pieces, "slots": slots}))
+        protocol.restore(path, items)
         return manifest
 
     def __repr__(self) -> str:
@@ -225,8 +189,6 @@ class Checkpoint:
 
 def _with_progress(run: Callable[[], Any], label: str, nbytes: int, fs: Any, root: str) -> Any:
     """``run()`` in a thread while a bar shows the bytes that have reached ``root``."""
-    from daskps.progress import watch
-
     out: dict[str, Any] = {}
 
     def target() -> None:
@@ -307,24 +269,6 @@ def _saved_slots(slots_of: dict, tensor: str, opt_path: str) -> dict | None:
     if not found:
         return None
     return {"step": max(t["step"] or 0 for t in found.values()), "pieces": {s: t["pieces"] for s, t in found.items()}}
-
-
-def _two_phase_restore(path: str, items: list) -> None:
-    remote, holder, local_specs, client = _group(items)
-    token = uuid.uuid4().hex
-    transport = transport_for(client) if remote else None
-    local_staged = []
-    try:
-        local_staged = ckpt_io.stage_specs(holder, path, local_specs)
-        if transport is not None:
-            transport.call_many([Call(ps, "stage_restore", (token, path, specs)) for ps, specs in remote])
-    except BaseException:
-        if transport is not None:
-            transport.call_many([Call(ps, "abort_restore", (token,)) for ps, _ in remote])
-        raise
-    if transport is not None:
-        transport.call_many([Call(ps, "commit_restore", (token,)) for ps, _ in remote])
-    ckpt_io.commit_staged(holder, local_staged)
 
 
 def committed_numbers(fs: Any, root: str, name: str = "ckpt") -> list[int]:

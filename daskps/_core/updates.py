@@ -1,9 +1,9 @@
 """Checking and applying updates to one array: dense and sparse (scatter).
 
-The same functions run in three places: on the coordinator or trainer before
-anything is sent (so errors name the whole variable), on the parameter server
-before anything is applied (so a batch with one bad item changes nothing),
-and for variables kept in the local process.
+The same functions run in two places: where the update is made, before
+anything is sent (so errors name the whole variable), and on the parameter
+server before anything is applied (so a batch with one bad item changes
+nothing).
 
 Operations, with ``payload``:
 
@@ -32,6 +32,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
+from daskps._core.slices import IndexedSlices
 
 DENSE_OPS = ("assign", "add", "sub")
 SCATTER_OPS = (
@@ -181,3 +183,31 @@ def _occurrence_rounds(idx: np.ndarray) -> list[np.ndarray]:
     rank = np.empty(len(idx), np.intp)
     rank[order] = np.arange(len(idx)) - np.searchsorted(ordered, ordered, side="left")
     return [rank == r for r in range(int(rank.max(initial=-1)) + 1)]
+
+
+def check_gradient(shape: tuple, dtype: np.dtype, name: str, grad: Any) -> tuple[str, Any]:
+    """``("dense", array)`` or ``("rows", (indices, values))``, checked against the variable."""
+    if isinstance(grad, IndexedSlices):
+        return check_gradient_of_kind(shape, dtype, name, "rows", (grad.indices, grad.values))
+    return check_gradient_of_kind(shape, dtype, name, "dense", grad)
+
+
+def check_gradient_of_kind(shape: tuple, dtype: np.dtype, name: str, kind: str, grad: Any) -> tuple[str, Any]:
+    """As :func:`check_gradient`, for a gradient already split into ``kind`` and payload."""
+    if kind == "rows":
+        if not shape:
+            raise ValueError(f"gradient for scalar variable {name!r} cannot be IndexedSlices")
+        idx = check_indices(grad[0], shape[0], name, "gradient indices")
+        values = coerce_values(grad[1], dtype, name, "gradient values")
+        if values.shape != idx.shape + tuple(shape[1:]):
+            raise ValueError(
+                f"gradient values for variable {name!r} must have shape {idx.shape + tuple(shape[1:])}, "
+                f"got {values.shape}"
+            )
+        return "rows", (idx, values)
+    if kind != "dense":
+        raise ValueError(f"gradient kind must be 'dense' or 'rows', got {kind!r}")
+    arr = coerce_values(grad, dtype, name, "gradient")
+    if arr.shape != tuple(shape):
+        raise ValueError(f"gradient for variable {name!r} must have shape {tuple(shape)}, got {arr.shape}")
+    return "dense", arr

@@ -13,6 +13,8 @@ from typing import Any
 
 from distributed import Client, Nanny, Scheduler, SpecCluster, Worker
 
+from daskps.ui.dashboard import register_page
+
 __all__ = ["DaskClusterResolver", "LocalPSCluster"]
 
 LOCALHOST = "127.0.0.1"
@@ -88,8 +90,6 @@ class LocalPSCluster(SpecCluster):
             "options": {"host": LOCALHOST, "port": 0, "dashboard_address": dashboard_address},
         }
         kwargs.setdefault("silence_logs", "error")
-        from daskps.dashboard import register_page
-
         register_page()  # the parameter-server page, before the scheduler starts
         super().__init__(workers=workers, scheduler=scheduler, worker=spec("worker"), **kwargs)
 

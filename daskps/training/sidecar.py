@@ -24,7 +24,7 @@ from typing import Any
 
 import fsspec
 
-from daskps.checkpoint import committed_numbers
+from daskps.training.checkpoint import committed_numbers
 
 __all__ = ["SidecarEvaluator"]
 

@@ -3,6 +3,8 @@
 A subclass provides ``numpy()``, ``shape``, ``dtype``, ``_dense(op, value,
 arg)``, ``_scatter(op, sparse_delta)`` and ``_gather(indices)``; this base
 turns them into operators, ufuncs, conversions and TensorFlow's sparse API.
+Every operator and ufunc gives exactly what the same operation on
+``np.asarray(v)`` gives, dtype included.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from daskps.indexed_slices import IndexedSlices
+from daskps._core.slices import IndexedSlices
 
 
 class ArrayLike:
@@ -59,10 +61,12 @@ class ArrayLike:
         return arr if dtype is None else arr.astype(dtype, copy=False)
 
     def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
-        inputs = tuple(np.asarray(x) if isinstance(x, ArrayLike) else x for x in inputs)
-        if "out" in kwargs:
-            kwargs["out"] = tuple(np.asarray(x) if isinstance(x, ArrayLike) else x for x in kwargs["out"])
-        return getattr(ufunc, method)(*inputs, **kwargs)
+        if any(isinstance(x, ArrayLike) for x in kwargs.get("out", ())):
+            raise TypeError(
+                f"out= cannot be a variable: {ufunc.__name__} would write into a copy of its value; "
+                "compute the result and pass it to assign()"
+            )
+        return getattr(ufunc, method)(*(_operand(x) for x in inputs), **kwargs)
 
     def __bool__(self) -> bool:
         return bool(self.numpy())
@@ -156,10 +160,17 @@ class Ref:
         return isinstance(other, Ref) and other._var is self._var
 
 
+def _operand(x: Any) -> Any:
+    # Everything but variables goes to numpy as it is: wrapping a Python
+    # scalar in an array would defeat numpy's rules for them (float32 * 0.5
+    # stays float32).
+    return x.numpy() if isinstance(x, ArrayLike) else x
+
+
 def _binary(op: Any, reflected: bool = False):
     if reflected:
-        return lambda self, other: op(np.asarray(other), self.numpy())
-    return lambda self, other: op(self.numpy(), np.asarray(other))
+        return lambda self, other: op(_operand(other), self.numpy())
+    return lambda self, other: op(self.numpy(), _operand(other))
 
 
 def _unary(op: Any):
@@ -170,7 +181,8 @@ for _name, _op in [
     ("add", operator.add), ("sub", operator.sub), ("mul", operator.mul),
     ("truediv", operator.truediv), ("floordiv", operator.floordiv), ("mod", operator.mod),
     ("pow", operator.pow), ("matmul", operator.matmul), ("and", operator.and_),
-    ("or", operator.or_), ("xor", operator.xor),
+    ("or", operator.or_), ("xor", operator.xor), ("lshift", operator.lshift),
+    ("rshift", operator.rshift), ("divmod", divmod),
 ]:
     setattr(ArrayLike, f"__{_name}__", _binary(_op))
     setattr(ArrayLike, f"__r{_name}__", _binary(_op, reflected=True))

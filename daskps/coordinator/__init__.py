@@ -1,0 +1,1 @@
+"""The coordinator: scheduled functions and per-worker datasets."""

@@ -1,0 +1,295 @@
+"""Per-worker datasets: built on each training worker, read where they live.
+
+``create_per_worker_dataset(dataset_fn)`` pickles ``dataset_fn`` once and
+stores it on a parameter server. Nothing is built until a scheduled function
+first calls ``next`` on an iterator on a trainer: that trainer fetches the
+function (once), builds its dataset and keeps it. Only trainers that use the
+dataset ever hold it, so parameter servers, the scheduler and idle workers
+pay nothing, and a trainer that joins or restarts builds its own on first
+use. The iterator handle that travels with each scheduled function is small:
+ids and where the function is stored.
+
+When the ``PerWorkerDataset`` is dropped (or the strategy closed), the
+stored function is released and every worker forgets the dataset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import pickle
+import threading
+import uuid
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from distributed.utils import sync
+from distributed.worker import get_worker
+
+from daskps._core.pickling import dumps_or_explain
+from daskps.distribute.context import DATASET_CONTEXT
+from daskps.distribute.values import InputContext
+from daskps.errors import NotScheduledError, OutOfRangeError
+from daskps.ps import protocol, refs
+
+__all__ = ["PerWorkerDataset", "PerWorkerIterator", "PerWorkerValues"]
+
+# Iterators kept per dataset on one worker; older ones are dropped.
+MAX_ITERATORS_PER_DATASET = 8
+
+
+class PerWorkerValues:
+    """One value per training worker; a scheduled function gets its worker's.
+
+    Parameters
+    ----------
+    values : sequence
+        ``values[i]`` goes to the worker with index ``i`` (the order of
+        ``strategy.extended.worker_devices``).
+    """
+
+    def __init__(self, values: Any):
+        self._values = tuple(values)
+
+    def _local(self, index: int) -> Any:
+        return self._values[index % len(self._values)]
+
+    def __repr__(self) -> str:
+        return f"PerWorkerValues({len(self._values)} values)"
+
+
+@dataclasses.dataclass(frozen=True)
+class _DatasetSpec:
+    """What a trainer needs to build a dataset: its id, where its function is, the trainers."""
+
+    dataset_id: str
+    blob: refs.Ref
+    worker_names: tuple[str, ...]
+
+
+class PerWorkerIterator(PerWorkerValues):
+    """Handle to one iterator per worker over a :class:`PerWorkerDataset`.
+
+    Pass it to a scheduled function; there, ``next(iterator)`` returns the
+    next element of the iterator on the worker running that function.
+    """
+
+    def __init__(self, spec: _DatasetSpec, iterator_id: int, dataset: Any = None):
+        self._spec = spec
+        self._iterator_id = iterator_id
+        self._dataset = dataset  # on the coordinator: keeps the dataset alive while functions use it
+        self._values = ()
+
+    def __reduce__(self) -> Any:
+        refs.keep_alive(self._dataset)
+        spec, server = self._spec, self._spec.blob.server
+        return (_iterator, (spec.dataset_id, self._iterator_id, server.address, server.actor_key,
+                            server.task_id, spec.worker_names))
+
+    def __iter__(self) -> PerWorkerIterator:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            worker = get_worker()
+        except ValueError:
+            raise NotScheduledError(
+                "next() on a per-worker iterator works only inside a function run by "
+                "ClusterCoordinator.schedule"
+            ) from None
+        return _state(worker).next(self._spec, self._iterator_id)
+
+    def get_next(self) -> Any:
+        return next(self)
+
+    def __repr__(self) -> str:
+        return f"PerWorkerIterator(dataset={self._spec.dataset_id[:8]}, iterator={self._iterator_id})"
+
+
+def _iterator(dataset_id: str, iterator_id: int, address: str, actor_key: str, task_id: int,
+              worker_names: tuple[str, ...]) -> PerWorkerIterator:
+    """An iterator handle that arrived by pickle (compact: it travels with every scheduled function)."""
+    server = protocol.ServerRef(address, actor_key, task_id)
+    blob = refs.borrow(server, f"dataset-{dataset_id}", f"<dataset {dataset_id}>")
+    return PerWorkerIterator(_DatasetSpec(dataset_id, blob, worker_names), iterator_id)
+
+
+class PerWorkerDataset:
+    """A dataset built by ``dataset_fn`` on each training worker.
+
+    Made by ``ClusterCoordinator.create_per_worker_dataset``. Each ``iter()``
+    gives a fresh iterator on every worker. Dropping it (or closing the
+    strategy) frees it everywhere.
+    """
+
+    def __init__(self, coordinator: Any, dataset_fn: Callable[..., Any]):
+        if not callable(dataset_fn):
+            raise TypeError(
+                "dataset_fn must be a callable returning an iterable, got "
+                f"{type(dataset_fn).__name__} (wrap a dataset as `lambda: dataset`)"
+            )
+        strategy = coordinator.strategy
+        strategy._check_open("create_per_worker_dataset")
+        blob = dumps_or_explain(dataset_fn, "dataset_fn")
+        dataset_id = uuid.uuid4().hex[:16]
+        server = strategy._ps[int(dataset_id[:8], 16) % len(strategy._ps)]
+        key = f"dataset-{dataset_id}"
+        protocol.put_blob(server, key, blob, strategy._group)
+        held = refs.owned(server, key, f"<dataset {dataset_id}>", strategy._group)
+        self._spec = _DatasetSpec(dataset_id, held, tuple(strategy._worker_names))
+        self._fn = dataset_fn  # whatever it captured stays alive as long as the dataset
+        self._iterators = 0
+        self._lock = threading.Lock()
+        strategy._datasets.add(self)
+        self._forget = weakref.finalize(self, _forget_later, strategy.client, dataset_id)
+
+    def __iter__(self) -> PerWorkerIterator:
+        with self._lock:
+            self._iterators += 1
+            return PerWorkerIterator(self._spec, self._iterators, self)
+
+    def _release(self) -> None:
+        """Forget the dataset on every worker now (``strategy.close``)."""
+        pending = self._forget.detach()
+        if pending is not None:
+            client, dataset_id = pending[2]
+            client.run(_forget_on_worker, dataset_id, on_error="ignore")
+
+    def __repr__(self) -> str:
+        return f"PerWorkerDataset(id={self._spec.dataset_id[:8]}, iterators={self._iterators})"
+
+
+def _forget_later(client: Any, dataset_id: str) -> None:
+    """After the dataset is dropped: have every worker forget it, without blocking anyone."""
+    async def forget() -> None:
+        try:
+            await client._run(_forget_on_worker, dataset_id, on_error="ignore")
+        except Exception:  # the cluster is going away: nothing left to free
+            pass
+
+    try:
+        client.loop.add_callback(forget)
+    except Exception:
+        pass
+
+
+def _forget_on_worker(dataset_id: str, dask_worker: Any = None) -> None:
+    state = getattr(dask_worker, "_daskps_state", None)
+    if state is not None:
+        state.forget(dataset_id)
+
+
+def _wants_context(fn: Callable[..., Any]) -> bool:
+    try:
+        params = [
+            p for p in inspect.signature(fn).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+        ]
+    except (TypeError, ValueError):
+        return False
+    return len(params) >= 1
+
+
+class _Built:
+    """A dataset on one worker: its function (once fetched), the dataset, its iterators."""
+
+    def __init__(self, spec: _DatasetSpec):
+        self.spec = spec
+        self.fn: Any = None
+        self.dataset: Any = None
+        self.iterators: OrderedDict[int, Iterator[Any]] = OrderedDict()
+
+
+class _WorkerState:
+    """daskps's state on one worker: the datasets built here and their iterators."""
+
+    def __init__(self, worker: Any):
+        self.worker = worker
+        self.datasets: dict[str, _Built] = {}
+        self.indices: dict[tuple[str, ...], int] = {}
+        self.lock = threading.RLock()
+
+    def forget(self, dataset_id: str) -> None:
+        with self.lock:
+            self.datasets.pop(dataset_id, None)
+
+    def next(self, spec: _DatasetSpec, iterator_id: int) -> Any:
+        with self.lock:
+            it = self._iterator(spec, iterator_id)
+            try:
+                return next(it)
+            except StopIteration:
+                raise OutOfRangeError(
+                    f"per-worker iterator {iterator_id} is exhausted on worker "
+                    f"{self.worker.name!r}; create a new one with iter(dataset)"
+                ) from None
+
+    def _iterator(self, spec: _DatasetSpec, iterator_id: int) -> Iterator[Any]:
+        built = self.datasets.get(spec.dataset_id)
+        if built is None:
+            built = self.datasets[spec.dataset_id] = _Built(spec)
+        it = built.iterators.get(iterator_id)
+        if it is None:
+            it = built.iterators[iterator_id] = self._new_iterator(built)
+            while len(built.iterators) > MAX_ITERATORS_PER_DATASET:
+                built.iterators.popitem(last=False)
+        return it
+
+    def _new_iterator(self, built: _Built) -> Iterator[Any]:
+        if built.dataset is not None:
+            it = iter(built.dataset)
+            if it is not built.dataset:  # re-iterable: a fresh pass
+                return it
+        if built.fn is None:
+            built.fn = pickle.loads(protocol.get_blob(built.spec.blob.server, built.spec.blob.key))
+        built.dataset = self._build(built.fn, built.spec.worker_names)
+        return iter(built.dataset)
+
+    def _build(self, fn: Callable[..., Any], worker_names: tuple[str, ...]) -> Any:
+        ctx = InputContext(num_input_pipelines=len(worker_names), input_pipeline_id=self.index(worker_names))
+        token = DATASET_CONTEXT.set(ctx)
+        try:
+            dataset = fn(ctx) if _wants_context(fn) else fn()
+        finally:
+            DATASET_CONTEXT.reset(token)
+        try:
+            iter(dataset)
+        except TypeError:
+            raise TypeError(f"dataset_fn must return an iterable, got {type(dataset).__name__}") from None
+        return dataset
+
+    def index(self, worker_names: tuple[str, ...]) -> int:
+        """This worker's index among the training workers.
+
+        A worker known by name keeps its index across restarts. A new worker
+        takes the first index whose worker is no longer alive.
+        """
+        with self.lock:
+            if worker_names not in self.indices:
+                self.indices[worker_names] = self._find_index(worker_names)
+            return self.indices[worker_names]
+
+    def _find_index(self, worker_names: tuple[str, ...]) -> int:
+        name = str(self.worker.name)
+        if name in worker_names:
+            return worker_names.index(name)
+        info = sync(self.worker.loop, self.worker.scheduler.identity)
+        live = sorted(str(w.get("name", a)) for a, w in info["workers"].items())
+        newcomers = [n for n in live if n not in worker_names]
+        free = [i for i, n in enumerate(worker_names) if n not in live]
+        rank = newcomers.index(name) if name in newcomers else 0
+        return free[rank] if rank < len(free) else len(worker_names) + rank
+
+
+def _state(worker: Any) -> _WorkerState:
+    state = getattr(worker, "_daskps_state", None)
+    if state is None:
+        state = worker._daskps_state = _WorkerState(worker)
+    return state
+
+
+def local_worker_index(worker_names: tuple[str, ...]) -> int:
+    """Index of the worker running the current task (see ``_WorkerState.index``)."""
+    return _state(get_worker()).index(tuple(worker_names))

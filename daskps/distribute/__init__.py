@@ -1,0 +1,1 @@
+"""The distribution layer: contexts, clusters, partitioners, placement and the strategy."""

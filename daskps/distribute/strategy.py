@@ -1,0 +1,335 @@
+"""``ParameterServerStrategy``: variables on parameter servers, steps on workers.
+
+The strategy owns a :class:`~daskps.ps.group.ServerGroup`: one
+``ParameterServer`` actor per ps-tagged worker. Variables made in
+``strategy.scope()`` go to the servers round robin. Everything made through
+the strategy holds the group, so the servers live as long as any of it is
+held, and :meth:`ParameterServerStrategy.close` releases them at once.
+
+A strategy pickles to a small worker-side view (server addresses and keys),
+so scheduled functions may capture it and call ``strategy.run`` on a worker.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from distributed import Client, default_client
+
+from daskps._core.arrays import check_variable_args
+from daskps.distribute import placement
+from daskps.distribute.cluster import DaskClusterResolver
+from daskps.distribute.context import (
+    DATASET_CONTEXT,
+    _SingleReplicaExtended,
+    _SingleReplicaStrategy,
+    in_scheduled_function,
+)
+from daskps.ps import protocol
+from daskps.ps.group import ServerGroup
+from daskps.ps.protocol import ServerRef
+from daskps.ui.dashboard import install_plugin
+from daskps.ui.display import strategy_html, strategy_text
+
+__all__ = ["ParameterServerStrategy"]
+
+
+class ParameterServerExtended(_SingleReplicaExtended):
+    """``strategy.extended`` of a :class:`ParameterServerStrategy`."""
+
+    _strategy: ParameterServerStrategy
+
+    def __init__(self, strategy: ParameterServerStrategy):
+        super().__init__(strategy)
+        self._colocate_with: contextvars.ContextVar[Any] = contextvars.ContextVar("daskps_colocate", default=None)
+
+    @contextmanager
+    def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
+        """Create variables on the same parameter server as ``colocate_with_variable``.
+
+        Such variables are never partitioned.
+        """
+        plain = hasattr(colocate_with_variable, "_ref")
+        if not plain or not self.variable_created_in_scope(colocate_with_variable):
+            raise ValueError(
+                "colocate_with_variable must be a Variable created in this strategy's scope, "
+                f"got {colocate_with_variable!r}"
+            )
+        token = self._colocate_with.set(colocate_with_variable)
+        try:
+            yield
+        finally:
+            self._colocate_with.reset(token)
+
+    def variable_created_in_scope(self, v: Any) -> bool:
+        shards = getattr(v, "_shard_variables", None)
+        if shards is not None:
+            return all(self.variable_created_in_scope(s) for s in shards)
+        return hasattr(v, "_ref") and v._strategy_token == self._strategy._token
+
+    @property
+    def parameter_devices(self) -> tuple[str, ...]:
+        return tuple(ps.device for ps in self._strategy._ps)
+
+    @property
+    def worker_devices(self) -> tuple[str, ...]:
+        n = len(self._strategy._worker_names)
+        return tuple(f"/job:worker/replica:0/task:{i}/device:CPU:0" for i in range(n))
+
+
+class ParameterServerStrategy(_SingleReplicaStrategy):
+    """Asynchronous training with variables on Dask parameter-server workers.
+
+    Parameters
+    ----------
+    cluster_resolver : Client, str, DaskClusterResolver or None
+        The cluster: a ``distributed.Client``, a scheduler address, a
+        resolver, or ``None`` for the current default client.
+    variable_partitioner : callable, optional
+        ``partitioner(shape, dtype) -> [num_shards, 1, ...]`` (see
+        ``dps.partitioners``). ``None`` keeps every variable whole.
+
+    Raises
+    ------
+    ValueError
+        If the cluster has no ps-tagged worker or no worker-tagged worker.
+
+    The parameter servers live as long as the strategy or anything made
+    through it (a variable, optimizer, metric, dataset, coordinator,
+    checkpoint) is held. :meth:`close` (or leaving a ``with`` block)
+    releases them at once.
+
+    Examples
+    --------
+    >>> import daskps as dps
+    >>> with dps.LocalPSCluster(num_ps=2, num_workers=2) as cluster:  # doctest: +SKIP
+    ...     with dps.ParameterServerStrategy(cluster.get_client()) as strategy:
+    ...         with strategy.scope():
+    ...             w = dps.Variable(np.zeros(3), name="w")
+    ...         w.device
+    '/job:ps/replica:0/task:0/device:CPU:0'
+    """
+
+    _extended_cls = ParameterServerExtended
+
+    def __init__(self, cluster_resolver: Any = None, variable_partitioner: Any = None):
+        super().__init__()
+        self._resolver: DaskClusterResolver | None
+        self._resolver, self._owns_client = _resolve(cluster_resolver)
+        try:
+            self._start(variable_partitioner)
+        except BaseException:
+            if self._owns_client:
+                self._resolver.client.close()
+            raise
+
+    def _start(self, variable_partitioner: Any) -> None:
+        assert self._resolver is not None
+        if variable_partitioner is not None and not callable(variable_partitioner):
+            raise TypeError(
+                "variable_partitioner must be a callable (shape, dtype) -> list of ints, such as "
+                f"dps.partitioners.MinSizePartitioner(...), or None; got {type(variable_partitioner).__name__}"
+            )
+        self._variable_partitioner = variable_partitioner
+        self._client: Client | None = self._resolver.client
+        ps_workers = self._resolver.ps_workers()
+        trainers = self._resolver.training_workers()
+        for kind, found, resource in (("parameter server", ps_workers, self._resolver.ps_resource),
+                                      ("training worker", trainers, self._resolver.worker_resource)):
+            if not found:
+                raise ValueError(
+                    f"the cluster has no {kind}: no worker has resource {resource!r} "
+                    f"(start one with `dask worker ADDRESS --resources {resource}=1`)"
+                )
+        self._worker_names = [name for name, _ in trainers]
+        install_plugin(self._client)  # feeds the dashboard page
+        self._group: ServerGroup | None = ServerGroup(self._client, ps_workers)
+        self._token = self._group.token
+        self._ps: list[ServerRef] = self._group.servers
+        self._variable_count = 0
+        self._coordinator: Any = None
+        self._datasets: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    # -- pickling: a worker-side view ------------------------------------------
+    def __reduce__(self) -> Any:
+        return (_worker_view, (self._token, tuple(self._ps), tuple(self._worker_names), self._variable_partitioner))
+
+    @property
+    def cluster_resolver(self) -> DaskClusterResolver | None:
+        return self._resolver
+
+    @property
+    def client(self) -> Client | None:
+        """The coordinator's ``distributed.Client`` (``None`` in a worker's copy)."""
+        return self._client
+
+    # -- lifetime -----------------------------------------------------------------
+    def close(self) -> None:
+        """Release the parameter servers and everything on them.
+
+        Pending scheduled functions are cancelled, per-worker datasets are
+        dropped on the workers, and the client is closed if the strategy made
+        it from an address. Using the strategy, or anything made through it,
+        afterwards raises :class:`~daskps.errors.ClosedError`. Calling it
+        again does nothing.
+        """
+        group = self._group
+        if group is None or group.closed:
+            return
+        if self._coordinator is not None:
+            self._coordinator._cancel_all()
+        for dataset in list(self._datasets):
+            dataset._release()
+        group.close()
+        if self._owns_client and self._client is not None:
+            self._client.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._group is not None and self._group.closed
+
+    def _check_open(self, what: str) -> None:
+        if self._group is not None:
+            self._group.check_open(what)
+
+    def __enter__(self) -> ParameterServerStrategy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def scope(self) -> Iterator[ParameterServerStrategy]:
+        """Make this strategy current: variables made inside go to its parameter servers."""
+        self._check_open("strategy.scope()")
+        with super().scope():
+            yield self
+
+    def _check_can_run(self) -> None:
+        if not in_scheduled_function():
+            raise NotImplementedError(
+                "ParameterServerStrategy.run and reduce work only inside a function "
+                "passed to ClusterCoordinator.schedule"
+            )
+
+    def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
+        """Return ``dataset``; call it inside the dataset_fn of ``create_per_worker_dataset``."""
+        self._check_in_dataset_fn("experimental_distribute_dataset")
+        return dataset
+
+    def distribute_datasets_from_function(self, dataset_fn: Any, options: Any = None) -> Any:
+        """Call ``dataset_fn(input_context)``; only inside the dataset_fn of ``create_per_worker_dataset``."""
+        self._check_in_dataset_fn("distribute_datasets_from_function")
+        return super().distribute_datasets_from_function(dataset_fn, options)
+
+    def _check_in_dataset_fn(self, method: str) -> None:
+        if DATASET_CONTEXT.get() is None:
+            raise ValueError(
+                f"{method} must be called inside the dataset_fn passed to "
+                "ClusterCoordinator.create_per_worker_dataset"
+            )
+
+    # -- variable creation -------------------------------------------------
+    def _variable_creator(self, initial_value: Any = None, trainable: bool = True, name: str | None = None,
+                          dtype: Any = None, shape: Any = None) -> placement.Placed:
+        """Create a variable on the servers (called by ``Variable(...)`` in this scope)."""
+        if self._group is None:
+            raise RuntimeError("variables can only be created on the coordinator, not inside a scheduled function")
+        self._check_open("a new variable")
+        if initial_value is None and self._variable_partitioner is not None:
+            raise ValueError(
+                "initial_value must be given (an array-like or a callable) when the strategy has a "
+                "variable_partitioner"
+            )
+        name, dtype, shape = check_variable_args(initial_value, name, dtype, shape)
+        colocate = self._extended._colocate_with.get()
+        count = self._variable_count
+        try:
+            if colocate is not None:  # never partitioned
+                part = placement.Part(colocate._ref.server, name, initial_value, shape, dtype)
+                return placement.Placed(name, placement.create(self._group, [part]), False, trainable)
+            if self._variable_partitioner is not None:
+                return placement.create_partitioned(self, initial_value, trainable, name, dtype, shape)
+            part = placement.Part(self._next_ps(), name, initial_value, shape, dtype)
+            return placement.Placed(name, placement.create(self._group, [part]), False, trainable)
+        except BaseException:
+            self._variable_count = count  # a failed create takes no place in the rotation
+            raise
+
+    def _next_ps(self) -> ServerRef:
+        ps = self._ps[self._variable_count % len(self._ps)]
+        self._variable_count += 1
+        return ps
+
+    def ps_stats(self) -> list[dict[str, Any]]:
+        """Counters and sizes of every parameter server, one call per server."""
+        self._check_open("strategy.ps_stats()")
+        return protocol.stats(self._ps, self._group)
+
+    def _repr_html_(self) -> str:
+        return strategy_html(self)
+
+    def summary(self) -> str:
+        """Servers (variables, bytes, reads, updates) and trainers, as text; never blocks long."""
+        return strategy_text(self)
+
+    def __repr__(self) -> str:
+        if self._client is None:
+            where = "worker view"
+        elif self.closed:
+            where = "closed"
+        else:
+            where = self._client.scheduler.address
+        return (
+            f"<ParameterServerStrategy {where} num_ps={len(self._ps)} "
+            f"num_workers={len(self._worker_names)}>"
+        )
+
+
+_WORKER_VIEWS: weakref.WeakValueDictionary[str, ParameterServerStrategy] = weakref.WeakValueDictionary()
+
+
+def _worker_view(token: str, ps: tuple, worker_names: tuple, partitioner: Any) -> ParameterServerStrategy:
+    """Rebuild (once per process) the strategy a scheduled function captured."""
+    view = _WORKER_VIEWS.get(token)
+    if view is None:
+        view = object.__new__(ParameterServerStrategy)
+        _SingleReplicaStrategy.__init__(view)
+        view._resolver = None
+        view._owns_client = False
+        view._client = None
+        view._token = token
+        view._ps = list(ps)
+        view._worker_names = list(worker_names)
+        view._variable_partitioner = partitioner
+        view._variable_count = 0
+        view._coordinator = None
+        view._group = None
+        view._datasets = weakref.WeakSet()
+        _WORKER_VIEWS[token] = view
+    return view
+
+
+def _resolve(cluster_resolver: Any) -> tuple[DaskClusterResolver, bool]:
+    if isinstance(cluster_resolver, DaskClusterResolver):
+        return cluster_resolver, False
+    if isinstance(cluster_resolver, Client):
+        return DaskClusterResolver(cluster_resolver), False
+    if isinstance(cluster_resolver, str):
+        return DaskClusterResolver(Client(cluster_resolver)), True
+    if cluster_resolver is None:
+        try:
+            return DaskClusterResolver(default_client()), False
+        except ValueError:
+            raise ValueError(
+                "cluster_resolver is None and there is no default Dask client: pass a "
+                "distributed.Client, a scheduler address or a DaskClusterResolver"
+            ) from None
+    raise TypeError(
+        "cluster_resolver must be a distributed.Client, a scheduler address (str), a "
+        f"DaskClusterResolver or None, got {type(cluster_resolver).__name__}"
+    )

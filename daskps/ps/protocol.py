@@ -1,0 +1,448 @@
+"""The parameter-server protocol: the only code that talks to servers.
+
+Everything daskps does to a parameter server (variables, shards, optimizers,
+metrics, checkpoints, datasets, reprs, the dashboard) is a function here.
+Each takes *targets* (anything with ``server``, ``key``, ``name`` and
+``owner``, as the handles of :mod:`daskps.ps.refs`), groups the work by
+server, and sends **one message per server, all servers at once**: a list
+of ``(operation, args)`` that the server's ``execute`` runs in order.
+
+Messages go straight to the worker that hosts the actor, as Dask's own
+``actor_execute``, from whatever process is running: a trainer inside a
+scheduled function (worker to worker), the coordinator (without the
+scheduler's proxy), or the scheduler for the dashboard. The server of local
+variables is :data:`LOCAL`, a ``ParameterServer`` in this process reached by
+a direct call, so local and remote variables share one code path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import uuid
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import dask.config
+from dask.utils import parse_timedelta
+from distributed import default_client
+from distributed.core import send_recv
+from distributed.protocol import to_serialize
+from distributed.protocol.serialize import Serialized, deserialize
+from distributed.utils import sync
+from distributed.worker import get_worker
+
+from daskps.errors import ClosedError, PSUnavailableError
+from daskps.ps.server import ParameterServer
+
+# This process, as a holder of server-side objects (see ParameterServer.acquire).
+HOLDER = uuid.uuid4().hex
+
+
+def connect_timeout() -> float:
+    """Seconds to wait for a connection to a parameter server (config ``daskps.connect-timeout``)."""
+    return parse_timedelta(dask.config.get("daskps.connect-timeout", "5s"))
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerRef:
+    """Where one parameter server lives: worker address, actor key, task index."""
+
+    address: str
+    actor_key: str
+    task_id: int | None
+
+    @property
+    def is_local(self) -> bool:
+        return self.task_id is None
+
+    @property
+    def device(self) -> str:
+        if self.task_id is None:
+            return "/job:chief/replica:0/task:0/device:CPU:0"
+        return f"/job:ps/replica:0/task:{self.task_id}/device:CPU:0"
+
+    @property
+    def label(self) -> str:
+        return "this process" if self.task_id is None else f"ps:{self.task_id} at {self.address}"
+
+
+LOCAL = ServerRef("inproc://local", "local", None)
+
+Ops = list[tuple[str, tuple]]
+
+# Names of the variables each server holds that this process knows of (for error messages).
+_KNOWN: dict[ServerRef, dict[str, str]] = {}
+
+
+def remember(server: ServerRef, key: str, name: str) -> None:
+    _KNOWN.setdefault(server, {})[key] = name
+
+
+def forget(server: ServerRef, key: str) -> None:
+    _KNOWN.get(server, {}).pop(key, None)
+
+
+def _unavailable(server: ServerRef, what: str, exc: BaseException | None = None) -> PSUnavailableError:
+    names = sorted(set(_KNOWN.get(server, {}).values()))
+    shown = ", ".join(repr(n) for n in names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    held = f" It held {shown}: their values are lost." if names else ""
+    cause = f" ({type(exc).__name__}: {exc})" if exc is not None else ""
+    return PSUnavailableError(
+        f"parameter server {server.label} {what}{cause}.{held} Restore them from a checkpoint "
+        "(dps.CheckpointManager.restore_or_initialize) or re-create them."
+    )
+
+
+def _result(value: Any) -> Any:
+    return deserialize(value.header, value.frames) if isinstance(value, Serialized) else value
+
+
+# -- transports -------------------------------------------------------------------------
+class _DaskTransport:
+    """Sends messages over one process's Dask connection pool."""
+
+    def __init__(self, loop: Any, pool: Any, client: Any = None):
+        self.loop = loop
+        self.pool = pool
+        self.client = client
+        self._lock = threading.Lock()
+        self._releases: dict[ServerRef, list[str]] = {}
+        self._flush_queued = False
+
+    def call(self, coroutine_fn: Any, *args: Any) -> Any:
+        """Run ``coroutine_fn(*args)`` on this transport's loop and wait for it."""
+        if self.client is not None and self.client.status in ("closing", "closed"):
+            raise ClosedError(
+                f"the Dask client {self.client!r} was closed (client.close()); daskps reaches the "
+                "parameter servers through it, so make a new client and strategy"
+            )
+        return sync(self.loop, coroutine_fn, *args)
+
+    def run(self, batches: dict[ServerRef, Ops]) -> dict[ServerRef, list]:
+        """Send every batch at once; return each server's results, or raise the first error."""
+        return self.call(self._gather, batches)
+
+    async def _gather(self, batches: dict[ServerRef, Ops]) -> dict[ServerRef, list]:
+        servers = list(batches)
+        results = await asyncio.gather(*(self.send(s, batches[s]) for s in servers), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return dict(zip(servers, results))  # type: ignore[arg-type]  # no exceptions left
+
+    def run_each(self, batches: dict[ServerRef, Ops], timeout: float) -> dict[ServerRef, Any]:
+        """Like :meth:`run`, but each server's results or exception, within ``timeout`` seconds."""
+        return self.call(_each, self, batches, timeout)
+
+    async def send(self, server: ServerRef, ops: Ops) -> list:
+        try:
+            # Dask retries refused connections until its (30 s) connect timeout;
+            # a parameter server that is gone should be reported sooner.
+            comm = await self.pool.connect(server.address, timeout=connect_timeout())
+            try:
+                response = await send_recv(comm=comm, op="actor_execute", actor=server.actor_key,
+                                           function="execute", args=[to_serialize(ops)], kwargs={})
+            finally:
+                self.pool.reuse(server.address, comm)
+        except OSError as exc:
+            raise _unavailable(server, "cannot be reached: its worker died or is cut off", exc) from exc
+        except KeyError as exc:
+            if server.actor_key in str(exc):
+                raise _unavailable(server, "is up but its actor is gone: the worker restarted, or "
+                                           "the strategy's servers were released") from exc
+            raise
+        if response["status"] == "OK":
+            return _result(response["result"])
+        raise _result(response["exception"])
+
+    def release_later(self, server: ServerRef, key: str) -> None:
+        """Queue one release of ``key``; a callback on the loop sends the queue (one message per server)."""
+        with self._lock:
+            self._releases.setdefault(server, []).append(key)
+            if self._flush_queued:
+                return
+            self._flush_queued = True
+        try:
+            self.loop.add_callback(self._flush)
+        except RuntimeError:  # the loop is closed: the servers are going away too
+            pass
+
+    async def _flush(self) -> None:
+        with self._lock:
+            batch, self._releases, self._flush_queued = self._releases, {}, False
+        await asyncio.gather(*(self.send(s, [("release", (keys, HOLDER))]) for s, keys in batch.items()),
+                             return_exceptions=True)
+
+
+async def _each(transport: Any, batches: dict[ServerRef, Ops], timeout: float) -> dict[ServerRef, Any]:
+    async def one(server: ServerRef) -> Any:
+        try:
+            return await asyncio.wait_for(transport.send(server, batches[server]), timeout)
+        except asyncio.TimeoutError:
+            return TimeoutError(f"parameter server {server.label} did not answer within {timeout}s")
+        except Exception as exc:
+            return exc
+
+    servers = list(batches)
+    return dict(zip(servers, await asyncio.gather(*(one(s) for s in servers))))
+
+
+class _LocalTransport:
+    """The server of local variables, called directly under a lock."""
+
+    def __init__(self) -> None:
+        self.server = ParameterServer(None)
+        self._lock = threading.Lock()
+        self._releases: list[str] = []
+
+    def run(self, ops: Ops) -> list:
+        with self._lock:
+            try:
+                return self.server.execute(ops)
+            finally:
+                self._drain()
+
+    def release_later(self, server: ServerRef, key: str) -> None:
+        # Called from __del__, possibly inside run() on this thread: apply now only if free.
+        self._releases.append(key)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
+
+    def _drain(self) -> None:
+        while self._releases:
+            self.server.release([self._releases.pop()], HOLDER)
+
+
+_LOCAL = _LocalTransport()
+_CLIENT_TRANSPORTS: weakref.WeakKeyDictionary[Any, _DaskTransport] = weakref.WeakKeyDictionary()
+
+
+def transport_here(owner: Any = None) -> _DaskTransport:
+    """The Dask transport of this process: the worker's inside a task, else ``owner``'s client's."""
+    try:
+        worker = get_worker()
+    except ValueError:
+        worker = None
+    if worker is not None:
+        cached = getattr(worker, "_daskps_transport", None)
+        if cached is None:
+            cached = worker._daskps_transport = _DaskTransport(worker.loop, worker.rpc)  # type: ignore[attr-defined]
+        return cached
+    client = getattr(owner, "client", None) or default_client()
+    transport = _CLIENT_TRANSPORTS.get(client)
+    if transport is None or transport.pool is not client.rpc:
+        transport = _CLIENT_TRANSPORTS[client] = _DaskTransport(client.loop, client.rpc, client)
+    return transport
+
+
+def sender_for(server: ServerRef, owner: Any = None) -> Any:
+    """What later releases of ``server``'s objects go through, from this process."""
+    return _LOCAL if server.is_local else transport_here(owner)
+
+
+def _owner(targets: Iterable[Any]) -> Any:
+    """The first owner among ``targets``, after checking that none is closed."""
+    found = None
+    for t in targets:
+        owner = t.owner
+        if owner is not None:
+            if owner.closed:
+                owner.check_open(t.name)
+            found = found or owner
+    return found
+
+
+def _run(calls: Sequence[tuple[ServerRef, str, tuple]], owner: Any = None) -> list:
+    """Run ``(server, operation, args)`` calls: one message per server, all at once; results in order."""
+    batches: dict[ServerRef, Ops] = {}
+    where = []
+    for server, op, args in calls:
+        ops = batches.setdefault(server, [])
+        where.append((server, len(ops)))
+        ops.append((op, args))
+    local = batches.pop(LOCAL, None)
+    results = transport_here(owner).run(batches) if batches else {}
+    if local is not None:
+        results[LOCAL] = _LOCAL.run(local)
+    return [results[s][i] for s, i in where]
+
+
+def _by_server(targets: Sequence[Any]) -> dict[ServerRef, list[int]]:
+    groups: dict[ServerRef, list[int]] = {}
+    for i, t in enumerate(targets):
+        groups.setdefault(t.server, []).append(i)
+    return groups
+
+
+# -- operations -------------------------------------------------------------------------
+def read(items: Sequence[tuple[Any, Any]]) -> list:
+    """``value[index]`` (the whole value for ``None``) of each ``(target, index)``: one read per server."""
+    targets = [t for t, _ in items]
+    owner = _owner(targets)
+    groups = _by_server(targets)
+    calls = []
+    for server, idx in groups.items():
+        keys = [targets[i].key for i in idx]
+        indices = [items[i][1] for i in idx]
+        args = (keys,) if all(x is None for x in indices) else (keys, [... if x is None else x for x in indices])
+        calls.append((server, "read", args))
+    out: list[Any] = [None] * len(items)
+    for idx, values in zip(groups.values(), _run(calls, owner)):
+        for i, value in zip(idx, values):
+            out[i] = value
+    return out
+
+
+def update(items: Sequence[tuple[Any, str, Any]]) -> None:
+    """Apply checked ``(target, op, payload)`` updates: one call per server, all at once."""
+    targets = [t for t, _, _ in items]
+    owner = _owner(targets)
+    calls = [(server, "update", ([(targets[i].key, items[i][1], items[i][2]) for i in idx],))
+             for server, idx in _by_server(targets).items()]
+    _run(calls, owner)
+
+
+@dataclasses.dataclass
+class CreateSpec:
+    """One variable (or part of one) to create on ``server``."""
+
+    server: ServerRef
+    key: str
+    name: str
+    value: Any = None
+    init_fn: Any = None
+    shape: tuple | None = None
+    dtype: str | None = None
+    partition_shape: tuple | None = None
+    partition_offset: tuple | None = None
+
+
+def create(specs: Sequence[CreateSpec], owner: Any = None) -> list:
+    """Create every spec, all at once; each result is ``(shape, dtype, sliced)`` or the exception it raised.
+
+    A message holds one create, so one failing initializer does not stop the others.
+    """
+    if owner is not None:
+        owner.check_open("a new variable")
+    remote = [s for s in specs if not s.server.is_local]
+    results: dict[int, Any] = {}
+    if remote:
+        transport = transport_here(owner)
+        outcome = transport.call(_create_each, transport, remote)
+        results.update({id(s): r for s, r in zip(remote, outcome)})
+    for s in specs:
+        if s.server.is_local:
+            try:
+                results[id(s)] = _LOCAL.run([("create", _create_args(s))])[0]
+            except Exception as exc:
+                results[id(s)] = exc
+    return [results[id(s)] for s in specs]
+
+
+def _create_args(s: CreateSpec) -> tuple:
+    return (s.key, s.name, s.value, s.init_fn, s.shape, s.dtype, s.partition_shape, s.partition_offset, HOLDER)
+
+
+async def _create_each(transport: _DaskTransport, specs: list[CreateSpec]) -> list:
+    async def one(s: CreateSpec) -> Any:
+        return (await transport.send(s.server, [("create", _create_args(s))]))[0]
+
+    return list(await asyncio.gather(*(one(s) for s in specs), return_exceptions=True))
+
+
+def add_optimizer(servers: Sequence[ServerRef], key: str, transform: Any, lazy_sparse: bool, name: str,
+                  owner: Any = None, new: bool = True) -> None:
+    """Configure an optimizer on ``servers`` (``new``: as an object this process holds)."""
+    holder = HOLDER if new else None
+    _run([(s, "add_optimizer", (key, transform, lazy_sparse, name, holder)) for s in servers], owner)
+
+
+def apply_gradients(opt_key: str, items: Sequence[tuple[Any, str, Any]], counter: Any = None) -> None:
+    """Apply checked ``(target, kind, gradient)`` items with optimizer ``opt_key``, one call per server.
+
+    ``counter`` (the optimizer's ``iterations``) is bumped by 1 inside the call to its server.
+    """
+    targets = [t for t, _, _ in items]
+    owner = _owner(targets + ([counter] if counter is not None else []))
+    groups = _by_server(targets)
+    if counter is not None:
+        groups.setdefault(counter.server, [])
+    calls = []
+    for server, idx in groups.items():
+        work = [(targets[i].key, items[i][1], items[i][2]) for i in idx]
+        bump = counter.key if counter is not None and server == counter.server else None
+        calls.append((server, "apply_gradients", (opt_key, work, bump)))
+    _run(calls, owner)
+
+
+def put_blob(server: ServerRef, key: str, blob: bytes, owner: Any = None) -> None:
+    _run([(server, "put_blob", (key, blob, HOLDER))], owner)
+
+
+def get_blob(server: ServerRef, key: str) -> bytes:
+    return _run([(server, "get_blob", (key,))])[0]
+
+
+def acquire(pairs: Sequence[tuple[ServerRef, str]], owner: Any = None) -> None:
+    """Count one more handle of this process for each ``(server, key)``."""
+    _run(_keyed_calls("acquire", pairs), owner)
+
+
+def release(pairs: Sequence[tuple[ServerRef, str]], owner: Any = None) -> None:
+    """Count one handle of this process less for each ``(server, key)``, now."""
+    _run(_keyed_calls("release", pairs), owner)
+
+
+def _keyed_calls(op: str, pairs: Sequence[tuple[ServerRef, str]]) -> list:
+    keys: dict[ServerRef, list[str]] = {}
+    for server, key in pairs:
+        keys.setdefault(server, []).append(key)
+    return [(server, op, (ks, HOLDER)) for server, ks in keys.items()]
+
+
+def save(path: str, items: Sequence[tuple[Any, tuple]]) -> list[dict]:
+    """Each server writes its ``(target, (tensor, offset, [(optimizer_path, opt_key)]))`` pieces to ``path``."""
+    targets = [t for t, _ in items]
+    owner = _owner(targets)
+    calls = [(server, "save", (path, [(targets[i].key, *items[i][1]) for i in idx]))
+             for server, idx in _by_server(targets).items()]
+    return [rec for records in _run(calls, owner) for rec in records]
+
+
+def restore(path: str, items: Sequence[tuple[Any, dict]]) -> None:
+    """Every server reads its ``(target, spec)`` parts; only when all succeeded do they swap them in."""
+    targets = [t for t, _ in items]
+    owner = _owner(targets)
+    groups = _by_server(targets)
+    token = uuid.uuid4().hex
+    try:
+        _run([(s, "stage_restore", (token, path, [(targets[i].key, items[i][1]) for i in idx]))
+              for s, idx in groups.items()], owner)
+    except BaseException:
+        _run([(s, "abort_restore", (token,)) for s in groups], owner)
+        raise
+    _run([(s, "commit_restore", (token,)) for s in groups], owner)
+
+
+def stats(servers: Sequence[ServerRef], owner: Any = None, timeout: float | None = None) -> list:
+    """Counters of each server; with ``timeout``, an exception in place of a server that did not answer."""
+    if timeout is None:
+        return _run([(s, "stats", ()) for s in servers], owner)
+    found = transport_here(owner).run_each({s: [("stats", ())] for s in servers if not s.is_local}, timeout)
+    return [_LOCAL.run([("stats", ())])[0] if s.is_local else _first(found[s]) for s in servers]
+
+
+async def stats_async(pool: Any, servers: Sequence[ServerRef], timeout: float) -> list:
+    """:func:`stats` from inside an event loop (the scheduler's dashboard), over ``pool``."""
+    found = await _each(_DaskTransport(None, pool), {s: [("stats", ())] for s in servers}, timeout)
+    return [_first(found[s]) for s in servers]
+
+
+def _first(result: Any) -> Any:
+    return result if isinstance(result, BaseException) else result[0]

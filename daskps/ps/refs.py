@@ -1,0 +1,142 @@
+"""Lifetimes of server-side objects: reference counting across processes.
+
+Every variable, optimizer and dataset blob on a server is named by a key
+and counted per holding process (see ``ParameterServer.acquire``). In each
+process one :class:`Ref` stands for one ``(server, key)``; user-facing
+handles hold it, and handles that arrive by pickle find the same one.
+
+- The process that creates an object holds it (the server counts it at
+  creation); when its last handle dies, :class:`Ref` sends a release.
+- A handle pickled into a scheduled function is kept alive on the
+  coordinator until the function has finished (:func:`collecting`).
+- On the trainer, handles that the function leaves behind (in a cache, a
+  dataset, a global) are *escapes*: before the function returns,
+  :func:`borrowing` acquires them for the trainer's process, which then
+  releases them when they die. Handles that die with the function cost
+  nothing.
+- A server's objects also keep its group (the Dask actors) alive.
+
+This is how Dask counts futures, with the servers as the scheduler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+from daskps.ps import protocol
+from daskps.ps.group import group_of
+from daskps.ps.protocol import ServerRef
+
+logger = logging.getLogger("daskps")
+
+_TABLE: weakref.WeakValueDictionary[tuple[ServerRef, str], Ref] = weakref.WeakValueDictionary()
+# While a scheduled function runs on this worker: the Refs its unpickling made.
+_BORROWED: contextvars.ContextVar[list[weakref.ref] | None] = contextvars.ContextVar("daskps_borrowed", default=None)
+# While the coordinator pickles a scheduled function: what must live until it has run.
+_COLLECT: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar("daskps_collect", default=None)
+
+
+class Ref:
+    """This process's hold on one object on one server.
+
+    ``owner`` is the group of the servers (on the coordinator), or ``None``.
+    A registered Ref is counted on the server and releases itself when it
+    dies; an unregistered one borrows a hold that another process keeps.
+    """
+
+    __slots__ = ("server", "key", "name", "owner", "registered", "_sender", "__weakref__")
+
+    def __init__(self, server: ServerRef, key: str, name: str, owner: Any, registered: bool):
+        self.server, self.key, self.name, self.owner = server, key, name, owner
+        self.registered = registered
+        self._sender: Any = protocol.sender_for(server, owner) if registered else None
+        _TABLE[(server, key)] = self
+        if not name.startswith("<"):
+            protocol.remember(server, key, name)
+
+    def register(self) -> None:
+        self._sender = protocol.sender_for(self.server, self.owner)
+        self.registered = True
+
+    def __del__(self) -> None:
+        try:
+            if self.registered:
+                self._sender.release_later(self.server, self.key)
+            protocol.forget(self.server, self.key)
+        except Exception:  # interpreter shutdown, closed loops: nothing left to release
+            pass
+
+    def __reduce__(self) -> Any:
+        keep_alive(self)
+        return (borrow, (self.server, self.key, self.name))
+
+    def __repr__(self) -> str:
+        return f"<Ref {self.name!r} {self.key} on {self.server.label}{'' if self.registered else ' (borrowed)'}>"
+
+
+def owned(server: ServerRef, key: str, name: str, owner: Any = None) -> Ref:
+    """The Ref of an object this process has just created (the server already counts it)."""
+    return Ref(server, key, name, owner, registered=True)
+
+
+def borrow(server: ServerRef, key: str, name: str) -> Ref:
+    """The Ref for a handle that arrived by pickle: this process's own, or a new borrowed one."""
+    ref = _TABLE.get((server, key))
+    if ref is None:
+        ref = Ref(server, key, name, group_of(server), registered=False)
+        borrowed = _BORROWED.get()
+        if borrowed is not None:
+            borrowed.append(weakref.ref(ref))
+    return ref
+
+
+def keep_alive(obj: Any) -> None:
+    """Called while pickling: keep ``obj`` alive until the function being scheduled has run."""
+    found = _COLLECT.get()
+    if found is not None:
+        found.append(obj)
+
+
+def scheduling() -> bool:
+    """True while the coordinator pickles a scheduled function."""
+    return _COLLECT.get() is not None
+
+
+@contextlib.contextmanager
+def collecting() -> Iterator[list[Any]]:
+    """Collect what the objects pickled inside this block need kept alive."""
+    found: list[Any] = []
+    token = _COLLECT.set(found)
+    try:
+        yield found
+    finally:
+        _COLLECT.reset(token)
+
+
+@contextlib.contextmanager
+def borrowing() -> Iterator[None]:
+    """Around a scheduled function on a worker: acquire the handles it leaves behind."""
+    made: list[weakref.ref] = []
+    token = _BORROWED.set(made)
+    try:
+        yield
+    finally:
+        _BORROWED.reset(token)
+        escaped = [r for r in (w() for w in made) if r is not None and not r.registered]
+        if escaped:
+            _acquire(escaped)
+
+
+def _acquire(refs: list[Ref]) -> None:
+    try:
+        protocol.acquire([(r.server, r.key) for r in refs])
+    except Exception as exc:  # the objects are gone already: the handles will say so when used
+        logger.warning("daskps: could not keep %d handles alive: %s", len(refs), exc)
+        return
+    for r in refs:
+        r.register()

@@ -1,0 +1,1 @@
+"""Training state on the parameter servers: optimizers, metrics, checkpoints."""

@@ -1,0 +1,179 @@
+"""A page of the Dask dashboard for the parameter servers.
+
+``/individual-daskps`` shows, per parameter server, the bytes it holds, its
+variables and shards, and reads and updates per second, and per trainer the
+scheduled functions it completed. Because its route starts with
+``/individual-``, dask-labextension lists it as a JupyterLab panel.
+
+The page is a Bokeh app of the scheduler's dashboard (it needs ``bokeh``, as
+the dashboard does: ``pip install "daskps[dashboard]"``), so it must be known
+before the scheduler starts:
+
+- ``LocalPSCluster`` adds it itself;
+- for a ``dask scheduler`` started by hand, preload this module:
+  ``dask scheduler --preload daskps.dashboard``.
+
+The numbers come from a scheduler plugin (``DaskPSSchedulerPlugin``) that
+``ParameterServerStrategy`` registers; it notes where each server lives and
+counts completed functions per trainer; the page asks each server for its
+``stats()`` directly, waiting at most a second.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from collections import Counter
+from typing import Any
+
+from dask.utils import format_bytes
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from daskps.ps import protocol
+from daskps.ps.group import parse_server_key
+
+ROUTE = "/individual-daskps"
+PLUGIN_NAME = "daskps"
+
+
+class DaskPSSchedulerPlugin(SchedulerPlugin):
+    """Scheduler-side bookkeeping for the dashboard page."""
+
+    name = PLUGIN_NAME
+
+    def __init__(self, scheduler: Any = None) -> None:
+        self.scheduler = scheduler
+        self.servers: dict[str, str] = {}  # actor key -> worker address
+        self.completed: Counter[str] = Counter()  # worker address -> scheduled functions finished
+        self.failed: Counter[str] = Counter()
+
+    async def start(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        for key, ts in scheduler.tasks.items():  # servers made before the plugin
+            if parse_server_key(key) and ts.who_has:
+                self.servers[key] = next(iter(ts.who_has)).address
+
+    def transition(self, key: Any, start: str, finish: str, *args: Any, stimulus_id: str, **kwargs: Any) -> None:
+        if not isinstance(key, str) or not key.startswith("daskps-"):
+            return
+        ts = self.scheduler.tasks.get(key) if self.scheduler is not None else None
+        where = kwargs.get("worker") or (next(iter(ts.who_has)).address if ts is not None and ts.who_has else None)
+        if parse_server_key(key):
+            if finish == "memory" and where:
+                self.servers[key] = where
+            elif finish in ("forgotten", "released", "erred"):
+                self.servers.pop(key, None)
+        elif finish == "memory" and where:
+            self.completed[where] += 1
+        elif finish == "erred" and ts is not None and ts.processing_on is not None:
+            self.failed[ts.processing_on.address] += 1
+
+
+async def server_stats(scheduler: Any, timeout: float = 1.0) -> list[dict[str, Any]]:
+    """``stats()`` of every parameter server the plugin knows, asked directly."""
+    plugin = scheduler.plugins.get(PLUGIN_NAME)
+    if plugin is None:
+        return []
+    known = sorted(plugin.servers.items())
+    servers = [protocol.ServerRef(address, key, parse_server_key(key)[0]) for key, address in known]  # type: ignore[index]
+    rows = []
+    for server, result in zip(servers, await protocol.stats_async(scheduler.rpc, servers, timeout)):
+        row: dict[str, Any] = {"key": server.actor_key, "address": server.address, "task": server.task_id}
+        if isinstance(result, BaseException):
+            row["error"] = f"{type(result).__name__}: {result}"
+        else:
+            row.update(result)
+        rows.append(row)
+    return rows
+
+
+def _cell(x: Any) -> str:
+    return f"<td style='padding:2px 12px'>{html.escape(str(x))}</td>"
+
+
+def page_html(rows: list[dict[str, Any]], rates: dict[str, tuple[float, float]], scheduler: Any) -> str:
+    """The page body: a servers table and a trainers table."""
+    head = "".join(f"<th style='text-align:left;padding:2px 12px'>{h}</th>" for h in (
+        "server", "address", "bytes held", "variables", "shards", "reads/s", "updates/s", "state"))
+    body = []
+    for r in rows:
+        task = r["task"]
+        if "error" in r:
+            cells = [f"ps {task}", r["address"], "", "", "", "", "", f"unreachable ({r['error']})"]
+        else:
+            names = [v[0] for v in r.get("variables", {}).values()]
+            reads, updates = rates.get(r["key"], (0.0, 0.0))
+            cells = [f"ps {task}", r["address"], format_bytes(r["nbytes"]), r["num_variables"],
+                     sum("/part_" in n for n in names), f"{reads:,.1f}", f"{updates:,.1f}", "ok"]
+        body.append("<tr>" + "".join(_cell(c) for c in cells) + "</tr>")
+    plugin = scheduler.plugins.get(PLUGIN_NAME)
+    trainers = []
+    for ws in sorted(scheduler.workers.values(), key=lambda w: str(w.name)):
+        if ws.resources.get("worker"):
+            done = plugin.completed.get(ws.address, 0) if plugin else 0
+            failed = plugin.failed.get(ws.address, 0) if plugin else 0
+            trainers.append("<tr>" + "".join(_cell(c) for c in (ws.name, ws.address, f"{done:,}", f"{failed:,}")) + "</tr>")
+    thead = "".join(f"<th style='text-align:left;padding:2px 12px'>{h}</th>" for h in (
+        "trainer", "address", "functions completed", "failed"))
+    note = "" if rows else "<p>No parameter servers yet: create a ParameterServerStrategy on this cluster.</p>"
+    return (
+        "<h3>daskps parameter servers</h3>" + note
+        + f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+        + "<h3>Trainers</h3>"
+        + f"<table><thead><tr>{thead}</tr></thead><tbody>{''.join(trainers)}</tbody></table>"
+        + f"<p style='color:#777'>updated {time.strftime('%H:%M:%S')}</p>"
+    )
+
+
+def daskps_doc(scheduler: Any, extra: Any, doc: Any) -> None:
+    """The Bokeh document behind ``/individual-daskps``."""
+    from bokeh.models import Div  # type: ignore[attr-defined]
+
+    div = Div(text=page_html([], {}, scheduler), sizing_mode="stretch_width")
+    previous: dict[str, tuple[float, int, int]] = {}
+
+    async def refresh() -> None:
+        rows = await server_stats(scheduler)
+        now, rates = time.monotonic(), {}
+        for r in rows:
+            if "error" in r:
+                continue
+            t0, reads0, updates0 = previous.get(r["key"], (now, r["reads"], r["updates"]))
+            dt = max(now - t0, 1e-9)
+            rates[r["key"]] = ((r["reads"] - reads0) / dt, (r["updates"] - updates0) / dt) if now > t0 else (0.0, 0.0)
+            previous[r["key"]] = (now, r["reads"], r["updates"])
+        div.text = page_html(rows, rates, scheduler)
+
+    doc.title = "daskps: parameter servers"
+    doc.add_root(div)
+    doc.add_next_tick_callback(refresh)
+    doc.add_periodic_callback(refresh, 1000)
+
+
+def register_page() -> bool:
+    """Add the page to the dashboard of schedulers started after this call; False without bokeh."""
+    try:
+        from distributed.dashboard.scheduler import applications
+    except ImportError:
+        return False
+    applications.setdefault(ROUTE, daskps_doc)
+    return True
+
+
+def install_plugin(client: Any) -> None:
+    """Make sure the scheduler of ``client`` runs the plugin (once)."""
+    def has_plugin(dask_scheduler: Any) -> bool:
+        return PLUGIN_NAME in dask_scheduler.plugins
+
+    if not client.run_on_scheduler(has_plugin):
+        client.register_plugin(DaskPSSchedulerPlugin(), name=PLUGIN_NAME)
+
+
+# ``dask scheduler --preload daskps.dashboard``: the import adds the page...
+register_page()
+
+
+def dask_setup(scheduler: Any) -> None:
+    """...and this adds the plugin when the scheduler starts."""
+    if PLUGIN_NAME not in scheduler.plugins:
+        scheduler.add_plugin(DaskPSSchedulerPlugin(scheduler), name=PLUGIN_NAME)

@@ -1,0 +1,1 @@
+"""Variables and sharded variables: numpy-like handles to arrays held by a server."""

@@ -1,0 +1,48 @@
+"""``embedding_lookup``: rows of a (sharded) table, fetched where they live."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from daskps._core.updates import check_indices
+from daskps.variables.rows import clip_rows
+from daskps.variables.variable import ShardedVariable, Variable
+
+__all__ = ["embedding_lookup"]
+
+
+def embedding_lookup(params: Any, ids: Any, max_norm: float | None = None, name: str | None = None) -> np.ndarray:
+    """The rows of ``params`` named by ``ids``: shape ``ids.shape + params.shape[1:]``.
+
+    Parameters
+    ----------
+    params : Variable, ShardedVariable, list of Variable, or numpy array
+        A list is taken as the shards of one table in row order (for a "div"
+        split this is TensorFlow's ``partition_strategy="div"``).
+    ids : array-like of int, any shape
+        Row numbers in ``[0, rows)``; ``IndexError`` otherwise.
+    max_norm : float, optional
+        Rows whose L2 norm exceeds it are scaled down to it.
+
+    Only the distinct rows requested are read, from every shard at once, one
+    call per parameter server; the table never moves.
+
+    Examples
+    --------
+    >>> import daskps as dps
+    >>> table = dps.ShardedVariable([dps.Variable([[0.0, 0.0], [1.0, 1.0]]), dps.Variable([[2.0, 2.0]])])
+    >>> dps.embedding_lookup(table, [[2, 0], [2, 2]]).shape
+    (2, 2, 2)
+    """
+    if isinstance(params, (list, tuple)):
+        params = params[0] if len(params) == 1 else ShardedVariable(list(params), name="embedding")
+    if isinstance(params, (ShardedVariable, Variable)):
+        found = params._gather(ids)
+    else:
+        table = np.asarray(params)
+        found = table[check_indices(ids, len(table), "params", "ids", one_d=False)]
+    if max_norm is not None:
+        found = clip_rows(found, np.ndim(ids), max_norm)
+    return found

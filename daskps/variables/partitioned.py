@@ -1,0 +1,86 @@
+"""``create_partitioned_variables``: TensorFlow 1's explicit "div" parts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from daskps._core.arrays import build_part
+from daskps.distribute import context, placement
+from daskps.distribute.partitioners import _shape
+from daskps.variables.variable import Variable
+
+__all__ = ["create_partitioned_variables"]
+
+
+def create_partitioned_variables(
+    shape: Sequence[int],
+    slicing: Sequence[int],
+    initializer: Any,
+    dtype: Any = np.float32,
+    trainable: bool = True,
+    name: str | None = None,
+) -> list[Variable]:
+    """Create the parts of a variable split along one axis; return them as a list.
+
+    Parameters
+    ----------
+    shape : sequence of int
+        The shape of the whole variable.
+    slicing : sequence of int
+        Number of parts along each axis; at most one entry may exceed 1. Parts
+        are split "div"-style (the first parts get one extra row).
+    initializer : array-like or callable
+        The whole value, or a callable given whichever of ``shape`` (the whole
+        shape), ``dtype``, ``partition_shape`` and ``partition_offset`` it
+        accepts. In a ``ParameterServerStrategy`` scope it runs on each part's
+        parameter server; a result of the whole shape is sliced there.
+    dtype : numpy dtype
+        Used when ``initializer`` is a callable or not a numpy array.
+    name : str, optional
+        Parts are named ``name/part_i``; defaults to ``"PartitionedVariable"``.
+
+    Examples
+    --------
+    >>> parts = create_partitioned_variables((5, 2), [2, 1], np.arange(10.0).reshape(5, 2))
+    >>> [p.name for p in parts], [p.shape for p in parts]
+    (['PartitionedVariable/part_0', 'PartitionedVariable/part_1'], [(3, 2), (2, 2)])
+    """
+    shape = _shape(shape)
+    slicing = _shape(slicing)
+    if len(shape) != len(slicing):
+        raise ValueError(f"shape and slicing must have the same length, got shape {shape} and slicing {slicing}")
+    if not shape:
+        raise ValueError("a partitioned variable must have rank >= 1, got shape ()")
+    if any(s < 1 for s in slicing) or sum(s > 1 for s in slicing) > 1:
+        raise ValueError(f"slicing must be positive with at most one entry above 1, got {slicing}")
+    axis = int(np.argmax(slicing))
+    if slicing[axis] > max(shape[axis], 1):
+        raise ValueError(f"slicing asks for {slicing[axis]} parts of axis {axis}, which has {shape[axis]} rows")
+    if not callable(initializer):
+        if not isinstance(initializer, np.ndarray):
+            initializer = np.asarray(initializer, dtype=dtype)
+        if initializer.shape != shape:
+            raise ValueError(f"initializer has shape {initializer.shape}, expected shape {shape}")
+    return _create(initializer, shape, np.dtype(dtype), axis, slicing[axis], name or "PartitionedVariable", trainable)
+
+
+def _create(initializer: Any, shape: tuple, dtype: np.dtype, axis: int, num: int, name: str,
+            trainable: bool) -> list[Variable]:
+    """On the servers in a ``ParameterServerStrategy`` scope, round robin; local variables elsewhere."""
+    mode = context.current_mode()
+    strategy: Any = mode.strategy
+    if getattr(strategy, "_variable_creator", None) is not None and mode.replica_context is None:
+        if strategy._group is None:
+            raise RuntimeError("variables can only be created on the coordinator, not inside a scheduled function")
+        strategy._check_open("create_partitioned_variables")
+        parts = placement.create_div_parts(strategy, initializer, shape, dtype, axis, num, name)
+        return [Variable._from_ref(p.ref, p.shape, p.dtype, trainable, strategy._token) for p in parts]
+    out = []
+    for i, (part_shape, offset) in enumerate(placement.div_specs(shape, axis, num)):
+        fn = initializer if callable(initializer) else None
+        value, _ = build_part(None if fn else initializer, fn, shape, dtype, part_shape, offset)
+        out.append(Variable(value, trainable=trainable, name=f"{name}/part_{i}", dtype=dtype, shape=part_shape))
+    return out

@@ -1,0 +1,345 @@
+"""``Variable`` and ``ShardedVariable``: numpy arrays held by parameter servers.
+
+A variable is a small handle: a :class:`~daskps.ps.refs.Ref` (server and
+key) plus name, shape, dtype and trainability. Reading or updating it is one
+call to the server that holds it, through :mod:`daskps.ps.protocol`, from
+whichever process uses it. Made inside ``strategy.scope()`` it lives on a
+parameter server; outside any scope it lives on this process's own server
+(``protocol.LOCAL``), as TensorFlow keeps such variables on the coordinator.
+
+Its storage lives as long as some handle to it does, in any process.
+
+A ``ShardedVariable`` is one logical variable split by rows over several
+variables; every operation on it works out the shards and rows it touches
+(:mod:`daskps.variables.rows`) and sends one call per server, all at once.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+
+from daskps._core.arrays import check_variable_args, default_array
+from daskps._core.updates import BATCH_SCATTER, check_update
+from daskps.distribute import context
+from daskps.ps import protocol, refs
+from daskps.ps.refs import Ref
+from daskps.variables import rows
+from daskps.variables.arraylike import ArrayLike
+
+__all__ = ["ShardedVariable", "Variable", "new_key", "read_values", "shards_of"]
+
+
+def new_key(name: str) -> str:
+    """A server-side key for a new object called ``name``."""
+    return f"{name}@{uuid.uuid4().hex[:12]}"
+
+
+class _VariableMeta(type):
+    """Routes ``Variable(...)`` to the current strategy inside its scope."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if cls is Variable:
+            mode = context.current_mode()
+            creator = getattr(mode.strategy, "_variable_creator", None)
+            if creator is not None and mode.replica_context is None:
+                return _wrap_placed(creator(*args, **kwargs), mode.strategy)
+        return super().__call__(*args, **kwargs)
+
+
+class Variable(ArrayLike, metaclass=_VariableMeta):
+    """A mutable numpy array, on a parameter server inside ``strategy.scope()``.
+
+    Parameters
+    ----------
+    initial_value : array-like or callable
+        The starting value. A callable is called with whichever of ``shape``,
+        ``dtype``, ``partition_shape`` and ``partition_offset`` it accepts;
+        inside a strategy scope it runs on the parameter server, so a large
+        value is never built on the coordinator.
+    trainable : bool
+        Recorded for optimizers and checkpoints.
+    name : str, optional
+        Defaults to ``"Variable"``.
+    dtype : numpy dtype, optional
+        Python floats default to float32 and ints to int32, as in TensorFlow.
+    shape : tuple of int, optional
+        Checked against the initial value; required by callables that need it.
+
+    Examples
+    --------
+    >>> import daskps as dps
+    >>> v = dps.Variable([1.0, 2.0], name="w")   # outside any scope: local
+    >>> v.assign_add([0.5, 0.5]).numpy()
+    array([1.5, 2.5], dtype=float32)
+    >>> v.device
+    '/job:chief/replica:0/task:0/device:CPU:0'
+    """
+
+    def __init__(self, initial_value: Any = None, trainable: bool = True, name: str | None = None,
+                 dtype: Any = None, shape: Any = None):
+        name, dtype, shape = check_variable_args(initial_value, name, dtype, shape)
+        init_fn = initial_value if callable(initial_value) else None
+        value = None if init_fn else initial_value
+        if init_fn is None and dtype is None:
+            value = default_array(value, "initial_value")
+        spec = protocol.CreateSpec(protocol.LOCAL, new_key(name), name, value, init_fn, shape,
+                                   None if dtype is None else dtype.str)
+        created = protocol.create([spec])[0]
+        if isinstance(created, BaseException):
+            raise created
+        self._setup(refs.owned(spec.server, spec.key, name), created[0], created[1], trainable, None)
+
+    def _setup(self, ref: Ref, shape: tuple, dtype: Any, trainable: bool, token: str | None) -> None:
+        self._ref = ref
+        self._shape = tuple(int(d) for d in shape)
+        self._dtype = np.dtype(dtype)
+        self._trainable = bool(trainable)
+        self._strategy_token = token
+
+    @classmethod
+    def _from_ref(cls, ref: Ref, shape: tuple, dtype: Any, trainable: bool, token: str | None = None) -> Variable:
+        var = object.__new__(Variable)
+        var._setup(ref, shape, dtype, trainable, token)
+        return var
+
+    def __reduce__(self) -> Any:
+        if self._ref.server.is_local:
+            if refs.scheduling():
+                raise ValueError(
+                    f"variable {self.name!r} was created outside strategy.scope(), so it lives in this "
+                    "process only: a scheduled function would update a copy of it on the worker, and the "
+                    "change would be lost. Create it inside `with strategy.scope():`."
+                )
+            return (Variable, (self.numpy(), self._trainable, self.name))  # a copy, elsewhere
+        return (Variable._from_ref, (self._ref, self._shape, self._dtype.str, self._trainable, self._strategy_token))
+
+    # -- properties ---------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self._ref.name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._dtype
+
+    @property
+    def device(self) -> str:
+        return self._ref.server.device
+
+    @property
+    def trainable(self) -> bool:
+        return self._trainable
+
+    # -- reads and updates -------------------------------------------------
+    def numpy(self) -> np.ndarray:
+        """The current value, as a numpy array (a copy)."""
+        return protocol.read([(self._ref, None)])[0]
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        """``value[index]`` with numpy semantics, computed where the value lives."""
+        if isinstance(index, ArrayLike):
+            index = index.numpy()
+        elif isinstance(index, tuple):
+            index = tuple(x.numpy() if isinstance(x, ArrayLike) else x for x in index)
+        return protocol.read([(self._ref, index)])[0]
+
+    def _dense(self, op: str, value: Any, arg: str) -> Variable:
+        protocol.update([(self._ref, op, check_update(self._shape, self._dtype, self.name, op, value, arg))])
+        return self
+
+    def _scatter(self, op: str, payload: tuple) -> Variable:
+        protocol.update([(self._ref, op, check_update(self._shape, self._dtype, self.name, op, payload))])
+        return self
+
+    def _gather(self, indices: Any, one_d: bool = False) -> np.ndarray:
+        return rows.gather_rows([self], [0, self._shape[0] if self._shape else 0], indices, self.name, one_d)
+
+    # -- Python protocol ----------------------------------------------------
+    def __len__(self) -> int:
+        if not self._shape:
+            raise TypeError("len() of a scalar variable")
+        return self._shape[0]
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        if not self._shape:
+            raise TypeError("iteration over a scalar variable")
+        return iter(self.numpy())
+
+    def _repr_html_(self) -> str:
+        from daskps.ui.display import variable_html
+
+        return variable_html(self)
+
+    def __repr__(self) -> str:
+        return f"<daskps.Variable {self.name!r} shape={self._shape} dtype={self._dtype} device={self.device!r}>"
+
+
+class ShardedVariable(ArrayLike):
+    """Variables that together make one larger variable, split along axis 0.
+
+    Parameters
+    ----------
+    variables : list of Variable
+        The shards, in row order: same dtype, same shape past axis 0.
+    name : str
+        The name of the whole (``ParameterServerStrategy`` uses the
+        variable's name and names the shards ``name/part_i``).
+
+    Examples
+    --------
+    >>> import daskps as dps
+    >>> sv = dps.ShardedVariable([dps.Variable([[0.0], [1.0]]), dps.Variable([[2.0]])])
+    >>> sv.shape, [v.shape for v in sv]
+    ((3, 1), [(2, 1), (1, 1)])
+    >>> sv[::-1, 0]
+    array([2., 1., 0.], dtype=float32)
+    >>> sv.scatter_add(dps.IndexedSlices([[5.0], [5.0]], [2, 2])).numpy()[:, 0]
+    array([ 0.,  1., 12.], dtype=float32)
+    """
+
+    def __init__(self, variables: list[Variable], name: str = "ShardedVariable"):
+        if (
+            not isinstance(variables, (list, tuple))
+            or not variables
+            or any(not isinstance(v, Variable) for v in variables)
+        ):
+            raise TypeError(f"variables must be a non-empty list of daskps.Variable, got {variables!r}")
+        dtypes = [v.dtype for v in variables]
+        if len(set(dtypes)) > 1:
+            raise ValueError(f"all variables must have the same dtype, got {[str(d) for d in dtypes]}")
+        shapes = [v.shape for v in variables]
+        if any(not s for s in shapes) or len({s[1:] for s in shapes}) > 1:
+            raise ValueError(f"all variables must have rank >= 1 and equal shapes past axis 0, got {shapes}")
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"name must be a non-empty str, got {name!r}")
+        self._variables = list(variables)
+        self._name = name
+        self._offsets = [0]
+        for s in shapes:
+            self._offsets.append(self._offsets[-1] + s[0])
+        self._shape = (self._offsets[-1],) + shapes[0][1:]
+
+    def __reduce__(self) -> Any:
+        return (ShardedVariable, (self._variables, self._name))
+
+    @property
+    def variables(self) -> list[Variable]:
+        """The shards, in row order."""
+        return list(self._variables)
+
+    @property
+    def _shard_variables(self) -> list[Variable]:
+        return self._variables
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._variables[0].dtype
+
+    @property
+    def trainable(self) -> bool:
+        return all(v.trainable for v in self._variables)
+
+    def __iter__(self) -> Iterator[Variable]:
+        """Iterate over the shards (as TensorFlow does)."""
+        return iter(self._variables)
+
+    def numpy(self) -> np.ndarray:
+        """The whole value: every shard read, one call per parameter server."""
+        return np.concatenate(protocol.read([(v._ref, None) for v in self._variables]), axis=0)
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        """``value[index]`` with numpy's semantics, reading only the rows touched."""
+        return rows.getitem(self, index)
+
+    # -- updates ------------------------------------------------------------
+    def _dense(self, op: str, value: Any, arg: str) -> ShardedVariable:
+        payload = check_update(self._shape, self.dtype, self._name, op, value, arg)
+        protocol.update([(v._ref, op, payload[a:b]) for v, a, b in self._spans()])
+        return self
+
+    def _scatter(self, op: str, payload: tuple) -> ShardedVariable:
+        idx, vals = check_update(self._shape, self.dtype, self._name, op, payload)
+        if op == BATCH_SCATTER and idx.ndim > 1:  # batch axis 0 is the sharded axis
+            items = [(v._ref, op, (idx[a:b], vals[a:b])) for v, a, b in self._spans()]
+        else:
+            parts = rows.split_rows(self._offsets, idx, vals)
+            items = [(v._ref, op, part) for v, part in zip(self._variables, parts) if len(part[0])]
+        protocol.update(items)
+        return self
+
+    def _gather(self, indices: Any, one_d: bool = False) -> np.ndarray:
+        return rows.gather_rows(self._variables, self._offsets, indices, self._name, one_d)
+
+    def _spans(self) -> list[tuple[Variable, int, int]]:
+        return [(v, self._offsets[i], self._offsets[i + 1]) for i, v in enumerate(self._variables)]
+
+    def _repr_html_(self) -> str:
+        from daskps.ui.display import sharded_html
+
+        return sharded_html(self)
+
+    def __repr__(self) -> str:
+        return (
+            f"<daskps.ShardedVariable {self._name!r} shape={self._shape} dtype={self.dtype} "
+            f"shards={len(self._variables)}>"
+        )
+
+
+def _wrap_placed(placed: Any, strategy: Any) -> Any:
+    """Variables (or a ShardedVariable) for what a strategy's placement created."""
+    parts = [Variable._from_ref(p.ref, p.shape, p.dtype, placed.trainable, strategy._token) for p in placed.parts]
+    return ShardedVariable(parts, name=placed.name) if placed.sharded else parts[0]
+
+
+def shards_of(v: Any, arg: str = "variables") -> list[Variable]:
+    """The variables ``v`` is made of: itself, or a ShardedVariable's shards."""
+    parts = getattr(v, "_shard_variables", None)
+    if parts is not None:
+        return list(parts)
+    if not isinstance(v, Variable):
+        raise TypeError(f"{arg} must contain Variables or ShardedVariables, got {type(v).__name__}")
+    return [v]
+
+
+def read_values(variables: Iterable[Any]) -> list[np.ndarray]:
+    """Read many variables with one round trip per parameter server.
+
+    Parameters
+    ----------
+    variables : iterable of Variable (or ShardedVariable)
+
+    Returns
+    -------
+    list of numpy.ndarray, in the order given.
+
+    Examples
+    --------
+    >>> import daskps as dps
+    >>> a, b = dps.Variable(1.0), dps.Variable([2, 3])
+    >>> dps.read_values([a, b])
+    [array(1., dtype=float32), array([2, 3], dtype=int32)]
+    """
+    groups = [shards_of(v) for v in variables]
+    values = protocol.read([(leaf._ref, None) for group in groups for leaf in group])
+    out, i = [], 0
+    for group in groups:
+        part_values = values[i : i + len(group)]
+        i += len(group)
+        out.append(part_values[0] if len(group) == 1 else np.concatenate(part_values, axis=0))
+    return out
