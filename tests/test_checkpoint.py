@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -257,3 +258,18 @@ def test_coordinator_killed_during_save(tmp_path):
     manager.restore_or_initialize()
     assert w.numpy().tolist() == np.ones((8, 2)).tolist()
     assert manager.save().endswith("ckpt-2")  # the unfinished one is replaced
+
+
+def test_keys_with_slashes_and_dots_as_tensorflow_allows(client, tmp_path):
+    strategy = dps.ParameterServerStrategy(client)
+    with strategy.scope():
+        kernel, bias = dps.Variable([1.0, 2.0]), dps.Variable([3.0])
+        other = dps.Variable([4.0])
+    ckpt = dps.Checkpoint(model={"dense/kernel": kernel, "dense.bias": bias, "dense": {"kernel": other}})
+    path = ckpt.write(str(tmp_path / "c"))
+    names = set(json.loads((tmp_path / "c" / "manifest.json").read_text())["tensors"])
+    assert {"model/dense.Skernel", "model/dense..bias", "model/dense/kernel"} <= names  # no collision
+    kernel.assign([0.0, 0.0])
+    other.assign([0.0])
+    ckpt.restore(path)
+    assert kernel.numpy().tolist() == [1.0, 2.0] and other.numpy().tolist() == [4.0]

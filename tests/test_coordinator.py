@@ -5,10 +5,10 @@ import time
 
 import numpy as np
 import pytest
-from distributed import Event
+from distributed import Client, Event
 
 import daskps as dps
-from daskps.errors import CancelledError, PSUnavailableError
+from daskps.errors import CancelledError, ClosedError, PSUnavailableError
 
 from .conftest import kill_worker, wait_for_worker
 
@@ -205,3 +205,48 @@ def test_ps_death_raises_ps_unavailable(fresh_cluster):
     wait_for_worker(client, "ps-0", old)
     with pytest.raises(PSUnavailableError):
         a.numpy()
+
+
+def test_a_variable_made_outside_the_scope_is_refused(strategy, coordinator):
+    local = dps.Variable([0.0], name="local_w")
+    loss = dps.metrics.Mean(name="loss")  # also outside the scope: its state is local
+    with pytest.raises(ValueError, match=r"'local_w' was created outside strategy.scope\(\)"):
+        coordinator.schedule(lambda: local.assign_add([1.0]))
+    with pytest.raises(ValueError, match="outside strategy.scope"):
+        coordinator.schedule(lambda x: loss.update_state(x), args=(1.0,))
+    with pytest.raises(ValueError, match="outside strategy.scope"):
+        coordinator.schedule(lambda v: v.numpy(), args=(local,))
+    assert local.numpy().tolist() == [0.0] and coordinator.done()
+
+
+def test_after_client_close_the_error_says_so(cluster):
+    client = Client(cluster)
+    strategy = dps.ParameterServerStrategy(client)
+    with strategy.scope():
+        v = dps.Variable(1.0)
+    client.close()
+    with pytest.raises(ClosedError, match="client"):
+        v.numpy()
+    with pytest.raises(ClosedError, match="client"):
+        v.assign(2.0)
+
+
+def test_ps_unavailable_says_what_happened_and_what_was_lost(fresh_cluster):
+    cluster, client = fresh_cluster
+    strategy = dps.ParameterServerStrategy(client)
+    with strategy.scope():
+        w = dps.Variable(1.0, name="w")  # ps-0
+        b = dps.Variable(2.0, name="b")  # ps-1
+        table = dps.Variable(np.zeros(3), name="table")  # ps-0
+    for fut in strategy._group._futures[1:]:
+        fut.release()  # ps-1's actor goes while its worker stays up
+    with pytest.raises(PSUnavailableError, match=r"ps:1 .*actor is gone.*'b'") as lost:
+        for _ in range(100):
+            b.numpy()
+            time.sleep(0.1)
+    assert "'w'" not in str(lost.value)
+    kill_worker(client, "ps-0")
+    with pytest.raises(PSUnavailableError, match=r"ps:0 .*cannot be reached.*'table', 'w'"):
+        for _ in range(100):
+            w.numpy()
+            time.sleep(0.1)

@@ -46,3 +46,13 @@ def test_accuracy_metrics(strategy):
     assert sparse([0], [[0.9, 0.1, 0.0]]) == pytest.approx(2 / 3)
     with pytest.raises(ValueError, match="y_true"):
         sparse.update_state([1, 2, 3], [[0.1, 0.9]])
+
+
+def test_tensorflow_habits(strategy):
+    with strategy.scope():
+        m = dps.metrics.Mean()
+    m.update_state([1.0, 3.0])
+    assert m.result().numpy() == 2.0 and m.result().numpy().dtype == np.float32
+    assert float(m.result()) == 2.0 and m.result() + 1 == 3.0
+    m.reset_states()
+    assert m.result().numpy() == 0.0

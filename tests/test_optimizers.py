@@ -199,3 +199,69 @@ def test_optimizer_made_outside_the_scope_is_refused_for_remote_variables(strate
 def test_bad_hyperparameters(make):
     with pytest.raises(ValueError):
         make()
+
+
+def test_integer_variables_are_refused(strategy):
+    with strategy.scope():
+        opt = dps.optimizers.SGD(0.1)
+        w, count = dps.Variable(np.ones(2, np.float32)), dps.Variable(np.array([1, 2], np.int32), name="count")
+    with pytest.raises(TypeError, match=r"cannot train variable 'count' of dtype int32"):
+        opt.apply_gradients([(np.ones(2, np.float32), w), (np.ones(2, np.int32), count)])
+    assert w.numpy().tolist() == [1, 1] and count.numpy().tolist() == [1, 2]
+    assert int(opt.iterations.numpy()) == 0
+
+
+def test_apply_has_keras_meaning(strategy):
+    with strategy.scope():
+        opt, ref = dps.optimizers.Adam(0.1), dps.optimizers.Adam(0.1)
+        a, b = dps.Variable(np.ones(2, np.float32)), dps.Variable(np.ones(3, np.float32))
+        a2, b2 = dps.Variable(np.ones(2, np.float32)), dps.Variable(np.ones(3, np.float32))
+    grads = [np.full(2, 0.5, np.float32), np.full(3, -1.0, np.float32)]
+    assert opt.apply(grads, [a, b]) is None
+    ref.apply_gradients(zip(grads, [a2, b2]))
+    opt.build([a, b])
+    opt.apply(grads)  # the variables given to build()
+    ref.apply_gradients(zip(grads, [a2, b2]))
+    np.testing.assert_array_equal(a.numpy(), a2.numpy())
+    np.testing.assert_array_equal(b.numpy(), b2.numpy())
+    assert int(opt.iterations.numpy()) == 2
+    with pytest.raises(ValueError, match="same length"):
+        opt.apply(grads, [a])
+    with pytest.raises(ValueError, match="build"):
+        dps.optimizers.SGD().apply(grads)
+
+
+def test_apply_gradients_with_two_lists_says_what_it_expects(strategy):
+    with strategy.scope():
+        opt = dps.optimizers.SGD(0.1)
+        w = dps.Variable(np.ones(3, np.float32))
+    with pytest.raises(TypeError, match=r"\(gradient, variable\) pairs.*optimizer.apply\(grads, variables\)"):
+        opt.apply_gradients([np.ones(3, np.float32)], [w])
+    with pytest.raises(TypeError, match=r"item 0 is a ndarray of shape \(3,\)"):
+        opt.apply_gradients([np.ones(3, np.float32), w])
+    assert w.numpy().tolist() == [1, 1, 1]
+
+
+def test_apply_gradients_returns_iterations_and_learning_rate_can_change(strategy):
+    with strategy.scope():
+        opt = dps.optimizers.SGD(0.1)
+        w = dps.Variable(np.ones(1, np.float32))
+    assert int(opt.apply_gradients([(np.ones(1, np.float32), w)]).numpy()) == 1
+    opt.learning_rate = 0.5  # reaches every server
+    opt.apply_gradients([(np.ones(1, np.float32), w)])
+    np.testing.assert_allclose(w.numpy(), [1 - 0.1 - 0.5])
+    assert opt.learning_rate == 0.5 and opt.momentum == 0.0
+
+
+def test_optimizer_is_configured_once_not_sent_with_every_step(strategy):
+    import pickle
+
+    with strategy.scope():
+        opt = dps.optimizers.Adam(0.1)
+    assert len(pickle.dumps(opt)) < 1200  # a key and a few numbers
+    before = [s["calls"].get("add_optimizer", 0) for s in strategy.ps_stats()]
+    with strategy.scope():
+        w = dps.Variable(np.ones(2, np.float32))
+    for _ in range(3):
+        opt.apply_gradients([(np.ones(2, np.float32), w)])
+    assert [s["calls"].get("add_optimizer", 0) for s in strategy.ps_stats()] == before

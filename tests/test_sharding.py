@@ -376,3 +376,21 @@ def test_read_values_mixes_sharded_and_plain_variables(strategy):
     assert [b - a for a, b in zip(before, calls(strategy))] == [1, 1]
     np.testing.assert_array_equal(got[0], full)
     np.testing.assert_array_equal(got[1], [1.0, 2.0])
+
+
+def _fails_on_the_second_shard(shape, dtype, partition_shape, partition_offset):
+    if partition_offset[0] > 0:
+        raise RuntimeError("initializer failed on shard 1")
+    return np.zeros(partition_shape, dtype)
+
+
+def test_a_failed_partitioned_create_leaves_nothing(partitioned):
+    strategy = partitioned(dps.partitioners.FixedShardsPartitioner(2))
+    with strategy.scope():
+        first = dps.Variable(np.zeros(4, np.float32), name="before")  # the rotation: ps 0, ps 1
+        before = [sorted(n for n, _, _ in s["variables"].values()) for s in strategy.ps_stats()]
+        with pytest.raises(RuntimeError, match="shard 1"):
+            dps.Variable(_fails_on_the_second_shard, shape=(6, 2), dtype=np.float32, name="doomed")
+        assert [sorted(n for n, _, _ in s["variables"].values()) for s in strategy.ps_stats()] == before
+        after = dps.Variable(np.zeros(4, np.float32), name="after")  # takes the places the failure did not
+    assert [v.device for v in after.variables] == [v.device for v in first.variables]

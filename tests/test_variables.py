@@ -206,3 +206,77 @@ def test_colocate_vars_with(strategy):
     with pytest.raises(ValueError, match="colocate_with_variable"):
         with strategy.extended.colocate_vars_with(dps.Variable(0.0)):
             pass
+
+
+# -- operators follow numpy exactly -------------------------------------------------------
+import operator  # noqa: E402
+
+BINARY = [operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod,
+          operator.pow, operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne, divmod]
+INTEGER_ONLY = [operator.and_, operator.or_, operator.xor, operator.lshift, operator.rshift]
+UNARY = [operator.neg, operator.pos, operator.abs]
+OPERANDS = [2, 0.5, True, np.float64(0.5), np.int64(3), np.float16(2), np.array([1, 2], np.int8),
+            np.array([0.5, 2.0], np.float64), np.array([3, 4], np.uint16)]
+DTYPES = ["float32", "float64", "int32", "int64", "uint8", "float16"]
+
+
+def _same(got, want) -> None:
+    if isinstance(want, tuple):
+        assert isinstance(got, tuple) and len(got) == len(want)
+        for g, w in zip(got, want):
+            _same(g, w)
+        return
+    assert np.asarray(got).dtype == np.asarray(want).dtype
+    np.testing.assert_array_equal(got, want)
+
+
+def _check_operators(var, value):
+    with np.errstate(all="ignore"):
+        for op in BINARY + (INTEGER_ONLY if value.dtype.kind in "iu" else []):
+            for other in OPERANDS:
+                if op in INTEGER_ONLY and np.asarray(other).dtype.kind not in "biu":
+                    continue
+                for left, right, plain in ((var, other, (value, other)), (other, var, (other, value))):
+                    try:
+                        want = op(*plain)
+                    except Exception as exc:
+                        with pytest.raises(type(exc)):
+                            op(left, right)
+                        continue
+                    _same(op(left, right), want)
+        for op in UNARY + ([operator.invert] if value.dtype.kind in "iu" else []):
+            _same(op(var), op(value))
+        _same(np.add(var, 1), np.add(value, 1))
+        _same(np.maximum(0.5, var), np.maximum(0.5, value))
+        _same(var @ np.ones(2, value.dtype), value @ np.ones(2, value.dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_operator_gives_numpys_dtype_on_servers(strategy, dtype):
+    """Each operator and ufunc, both ways round, against Python and numpy scalars and arrays."""
+    value = np.array([3, 5], dtype)
+    with strategy.scope():
+        v = dps.Variable(value)
+    _check_operators(v, value)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int32"])
+def test_every_operator_gives_numpys_dtype_on_sharded_variables(strategy, dtype):
+    value = np.array([3, 5], dtype)
+    with strategy.scope():
+        shards = [dps.Variable(value[:1]), dps.Variable(value[1:])]
+    _check_operators(dps.ShardedVariable(shards), value)
+
+
+def test_float32_stays_float32_with_python_scalars(strategy):
+    with strategy.scope():
+        v = dps.Variable(np.ones(2, np.float32))
+        i = dps.Variable(np.ones(2, np.int32))
+    assert (v * 0.5).dtype == np.float32 and (0.5 * v).dtype == np.float32 and (v + 1).dtype == np.float32
+    assert (i + 1).dtype == np.int32 and (1 + i).dtype == np.int32
+
+
+def test_out_cannot_be_a_variable(strategy):
+    v = dps.Variable(np.ones(2, np.float32))
+    with pytest.raises(TypeError, match="assign"):
+        np.add(v, 1, out=v)

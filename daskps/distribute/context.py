@@ -10,7 +10,7 @@ and asyncio tasks the way Python's own context does.
 from __future__ import annotations
 
 import contextvars
-import dataclasses
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -31,10 +31,27 @@ __all__ = [
 ]
 
 
-@dataclasses.dataclass(frozen=True)
 class _Mode:
-    strategy: _SingleReplicaStrategy
-    replica_context: ReplicaContext | None  # None means cross-replica
+    """The current strategy and replica context (``None`` means cross-replica).
+
+    Held weakly: asyncio copies the current context into callbacks and
+    connections made inside a scope, which may outlive it by far, and must
+    not keep a strategy (and its parameter servers) alive.
+    """
+
+    __slots__ = ("_strategy", "_replica")
+
+    def __init__(self, strategy: _SingleReplicaStrategy, replica_context: ReplicaContext | None):
+        self._strategy = weakref.ref(strategy)
+        self._replica = None if replica_context is None else weakref.ref(replica_context)
+
+    @property
+    def strategy(self) -> _SingleReplicaStrategy:
+        return self._strategy() or _DEFAULT
+
+    @property
+    def replica_context(self) -> ReplicaContext | None:
+        return None if self._replica is None else self._replica()
 
 
 _MODE: contextvars.ContextVar[_Mode | None] = contextvars.ContextVar(
@@ -68,9 +85,7 @@ def scheduled_function() -> Iterator[None]:
 def current_mode() -> _Mode:
     """The current strategy and replica context (the default strategy's outside any scope)."""
     mode = _MODE.get()
-    if mode is None:
-        mode = _Mode(_DEFAULT, ReplicaContext(_DEFAULT, 0))
-    return mode
+    return _DEFAULT_MODE if mode is None else mode
 
 
 @contextmanager
@@ -305,3 +320,7 @@ _DEFAULT = _DefaultStrategy()
 
 def default_strategy() -> _DefaultStrategy:
     return _DEFAULT
+
+
+_DEFAULT_REPLICA = ReplicaContext(_DEFAULT, 0)
+_DEFAULT_MODE = _Mode(_DEFAULT, _DEFAULT_REPLICA)

@@ -59,7 +59,8 @@ class ParameterServerExtended(_SingleReplicaExtended):
                 "colocate_with_variable must be a Variable created in this strategy's scope, "
                 f"got {colocate_with_variable!r}"
             )
-        token = self._colocate_with.set(colocate_with_variable)
+        # Only its server: a context may be copied into callbacks that outlive the block.
+        token = self._colocate_with.set(colocate_with_variable._ref.server)
         try:
             yield
         finally:
@@ -250,7 +251,7 @@ class ParameterServerStrategy(_SingleReplicaStrategy):
         count = self._variable_count
         try:
             if colocate is not None:  # never partitioned
-                part = placement.Part(colocate._ref.server, name, initial_value, shape, dtype)
+                part = placement.Part(colocate, name, initial_value, shape, dtype)
                 return placement.Placed(name, placement.create(self._group, [part]), False, trainable)
             if self._variable_partitioner is not None:
                 return placement.create_partitioned(self, initial_value, trainable, name, dtype, shape)

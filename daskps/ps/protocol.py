@@ -35,7 +35,7 @@ from distributed.utils import sync
 from distributed.worker import get_worker
 
 from daskps.errors import ClosedError, PSUnavailableError
-from daskps.ps.server import ParameterServer
+from daskps.ps.local import LocalTransport
 
 # This process, as a holder of server-side objects (see ParameterServer.acquire).
 HOLDER = uuid.uuid4().hex
@@ -190,36 +190,7 @@ async def _each(transport: Any, batches: dict[ServerRef, Ops], timeout: float) -
     return dict(zip(servers, await asyncio.gather(*(one(s) for s in servers))))
 
 
-class _LocalTransport:
-    """The server of local variables, called directly under a lock."""
-
-    def __init__(self) -> None:
-        self.server = ParameterServer(None)
-        self._lock = threading.Lock()
-        self._releases: list[str] = []
-
-    def run(self, ops: Ops) -> list:
-        with self._lock:
-            try:
-                return self.server.execute(ops)
-            finally:
-                self._drain()
-
-    def release_later(self, server: ServerRef, key: str) -> None:
-        # Called from __del__, possibly inside run() on this thread: apply now only if free.
-        self._releases.append(key)
-        if self._lock.acquire(blocking=False):
-            try:
-                self._drain()
-            finally:
-                self._lock.release()
-
-    def _drain(self) -> None:
-        while self._releases:
-            self.server.release([self._releases.pop()], HOLDER)
-
-
-_LOCAL = _LocalTransport()
+_LOCAL = LocalTransport(HOLDER)
 _CLIENT_TRANSPORTS: weakref.WeakKeyDictionary[Any, _DaskTransport] = weakref.WeakKeyDictionary()
 
 
@@ -280,20 +251,25 @@ def _by_server(targets: Sequence[Any]) -> dict[ServerRef, list[int]]:
     return groups
 
 
+def _each_server(op: str, targets: list[Any], args_of: Any, extra: Any = None) -> tuple[dict, list]:
+    """One ``op`` per server among ``targets`` (and ``extra``'s), its args from the positions there."""
+    owner = _owner(targets + ([extra] if extra is not None else []))
+    groups = _by_server(targets)
+    if extra is not None:
+        groups.setdefault(extra.server, [])
+    return groups, _run([(server, op, args_of(server, idx)) for server, idx in groups.items()], owner)
+
+
 # -- operations -------------------------------------------------------------------------
 def read(items: Sequence[tuple[Any, Any]]) -> list:
     """``value[index]`` (the whole value for ``None``) of each ``(target, index)``: one read per server."""
-    targets = [t for t, _ in items]
-    owner = _owner(targets)
-    groups = _by_server(targets)
-    calls = []
-    for server, idx in groups.items():
-        keys = [targets[i].key for i in idx]
-        indices = [items[i][1] for i in idx]
-        args = (keys,) if all(x is None for x in indices) else (keys, [... if x is None else x for x in indices])
-        calls.append((server, "read", args))
+    def args(server: ServerRef, idx: list[int]) -> tuple:
+        keys, indices = [items[i][0].key for i in idx], [items[i][1] for i in idx]
+        return (keys,) if all(x is None for x in indices) else (keys, [... if x is None else x for x in indices])
+
+    groups, results = _each_server("read", [t for t, _ in items], args)
     out: list[Any] = [None] * len(items)
-    for idx, values in zip(groups.values(), _run(calls, owner)):
+    for idx, values in zip(groups.values(), results):
         for i, value in zip(idx, values):
             out[i] = value
     return out
@@ -301,11 +277,8 @@ def read(items: Sequence[tuple[Any, Any]]) -> list:
 
 def update(items: Sequence[tuple[Any, str, Any]]) -> None:
     """Apply checked ``(target, op, payload)`` updates: one call per server, all at once."""
-    targets = [t for t, _, _ in items]
-    owner = _owner(targets)
-    calls = [(server, "update", ([(targets[i].key, items[i][1], items[i][2]) for i in idx],))
-             for server, idx in _by_server(targets).items()]
-    _run(calls, owner)
+    _each_server("update", [t for t, _, _ in items],
+                 lambda server, idx: ([(items[i][0].key, items[i][1], items[i][2]) for i in idx],))
 
 
 @dataclasses.dataclass
@@ -368,17 +341,11 @@ def apply_gradients(opt_key: str, items: Sequence[tuple[Any, str, Any]], counter
 
     ``counter`` (the optimizer's ``iterations``) is bumped by 1 inside the call to its server.
     """
-    targets = [t for t, _, _ in items]
-    owner = _owner(targets + ([counter] if counter is not None else []))
-    groups = _by_server(targets)
-    if counter is not None:
-        groups.setdefault(counter.server, [])
-    calls = []
-    for server, idx in groups.items():
-        work = [(targets[i].key, items[i][1], items[i][2]) for i in idx]
+    def args(server: ServerRef, idx: list[int]) -> tuple:
         bump = counter.key if counter is not None and server == counter.server else None
-        calls.append((server, "apply_gradients", (opt_key, work, bump)))
-    _run(calls, owner)
+        return (opt_key, [(items[i][0].key, items[i][1], items[i][2]) for i in idx], bump)
+
+    _each_server("apply_gradients", [t for t, _, _ in items], args, counter)
 
 
 def put_blob(server: ServerRef, key: str, blob: bytes, owner: Any = None) -> None:
@@ -408,26 +375,22 @@ def _keyed_calls(op: str, pairs: Sequence[tuple[ServerRef, str]]) -> list:
 
 def save(path: str, items: Sequence[tuple[Any, tuple]]) -> list[dict]:
     """Each server writes its ``(target, (tensor, offset, [(optimizer_path, opt_key)]))`` pieces to ``path``."""
-    targets = [t for t, _ in items]
-    owner = _owner(targets)
-    calls = [(server, "save", (path, [(targets[i].key, *items[i][1]) for i in idx]))
-             for server, idx in _by_server(targets).items()]
-    return [rec for records in _run(calls, owner) for rec in records]
+    _, results = _each_server("save", [t for t, _ in items],
+                              lambda server, idx: (path, [(items[i][0].key, *items[i][1]) for i in idx]))
+    return [rec for records in results for rec in records]
 
 
 def restore(path: str, items: Sequence[tuple[Any, dict]]) -> None:
     """Every server reads its ``(target, spec)`` parts; only when all succeeded do they swap them in."""
     targets = [t for t, _ in items]
-    owner = _owner(targets)
-    groups = _by_server(targets)
+    owner, servers = _owner(targets), list(_by_server(targets))
     token = uuid.uuid4().hex
     try:
-        _run([(s, "stage_restore", (token, path, [(targets[i].key, items[i][1]) for i in idx]))
-              for s, idx in groups.items()], owner)
+        _each_server("stage_restore", targets, lambda server, idx: (token, path, [(targets[i].key, items[i][1]) for i in idx]))
     except BaseException:
-        _run([(s, "abort_restore", (token,)) for s in groups], owner)
+        _run([(s, "abort_restore", (token,)) for s in servers], owner)
         raise
-    _run([(s, "commit_restore", (token,)) for s in groups], owner)
+    _run([(s, "commit_restore", (token,)) for s in servers], owner)
 
 
 def stats(servers: Sequence[ServerRef], owner: Any = None, timeout: float | None = None) -> list:

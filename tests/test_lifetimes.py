@@ -1,0 +1,328 @@
+"""Lifetimes: servers live as long as their users; dropped objects are freed everywhere; close()."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+
+import numpy as np
+import psutil
+import pytest
+from distributed import Client, get_worker
+
+import daskps as dps
+from daskps.errors import ClosedError
+
+from .conftest import worker_address
+
+
+def actor_keys(client: Client) -> set[str]:
+    found = client.run(lambda dask_worker: sorted(dask_worker.state.actors))
+    return {k for keys in found.values() for k in keys}
+
+
+def wait_until(check, timeout: float = 20.0, what: str = "condition"):
+    """Poll ``check()`` until it is truthy (releases travel asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        gc.collect()
+        value = check()
+        if value or time.monotonic() > deadline:
+            assert value, f"{what} not reached in {timeout}s"
+            return value
+        time.sleep(0.05)
+
+
+def num_variables(strategy) -> list[int]:
+    return [s["num_variables"] for s in strategy.ps_stats()]
+
+
+def rss(client: Client, addresses: list[str]) -> dict[str, int]:
+    return client.run(lambda: psutil.Process(os.getpid()).memory_info().rss, workers=addresses)
+
+
+# -- servers live as long as anything made through the strategy ------------------------------
+def _variable_from_a_helper(client):
+    strategy = dps.ParameterServerStrategy(client)
+    with strategy.scope():
+        return dps.Variable([1.0, 2.0], name="kept")
+
+
+def test_variables_outlive_the_strategy_that_made_them(client):
+    w = _variable_from_a_helper(client)
+    for _ in range(3):  # other strategies come and go on the same client
+        other = dps.ParameterServerStrategy(client)
+        with other.scope():
+            x = dps.Variable(1.0)
+        x.assign_add(1.0)
+        del other, x
+        gc.collect()
+    w.assign_add([1.0, 1.0])
+    np.testing.assert_array_equal(w.numpy(), [2.0, 3.0])
+    token = w._ref.owner.token
+    wait_until(lambda: sum(token in k for k in actor_keys(client)) == 2, what="the helper's servers kept")
+    del w
+    wait_until(lambda: not any(token in k for k in actor_keys(client)), what="servers released after the last user")
+
+
+def _made_in_a_helper(client, what: str):
+    strategy = dps.ParameterServerStrategy(client, variable_partitioner=dps.partitioners.FixedShardsPartitioner(2))
+    coordinator = dps.ClusterCoordinator(strategy)
+    with strategy.scope():
+        table = dps.Variable(np.arange(8.0).reshape(4, 2), name="table")
+        opt = dps.optimizers.SGD(0.5)
+        metric = dps.metrics.Mean()
+    made = {
+        "strategy": strategy, "shard": table.variables[1], "optimizer": opt, "metric": metric,
+        "coordinator": coordinator, "checkpoint": dps.Checkpoint(table=table),
+        "dataset": coordinator.create_per_worker_dataset(lambda: iter(range(100))),
+    }
+    return made[what], strategy._token
+
+
+def _still_works(obj, client) -> None:
+    if isinstance(obj, dps.ParameterServerStrategy):
+        with obj.scope():
+            assert dps.Variable(1.0).numpy() == 1.0
+    elif isinstance(obj, dps.Variable):
+        assert obj.numpy().tolist() == [[4.0, 5.0], [6.0, 7.0]]
+    elif isinstance(obj, dps.optimizers.Optimizer):
+        assert int(obj.iterations.numpy()) == 0
+    elif isinstance(obj, dps.metrics.Metric):
+        obj.update_state([2.0])
+        assert float(obj.result()) == 2.0
+    elif isinstance(obj, dps.ClusterCoordinator):
+        assert obj.schedule(lambda: 7).fetch() == 7
+    else:
+        assert obj._objects["table"].numpy().shape == (4, 2)
+
+
+@pytest.mark.parametrize("what", ["strategy", "shard", "optimizer", "metric", "coordinator", "checkpoint"])
+def test_anything_made_through_the_strategy_keeps_its_servers(client, what):
+    obj, token = _made_in_a_helper(client, what)
+    for _ in range(3):
+        gc.collect()
+    assert sum(token in k for k in actor_keys(client)) == 2
+    _still_works(obj, client)
+
+
+def test_a_dataset_keeps_its_servers(client):
+    from daskps.ps import protocol
+
+    dataset, token = _made_in_a_helper(client, "dataset")
+    gc.collect()
+    assert sum(token in k for k in actor_keys(client)) == 2
+    blob = dataset._spec.blob  # the dataset's function, stored on one of the servers
+    assert len(protocol.get_blob(blob.server, blob.key)) > 0
+
+
+# -- dropped objects are freed -------------------------------------------------------------
+def test_dropped_variables_and_their_slots_are_freed(strategy):
+    before = num_variables(strategy)
+    with strategy.scope():
+        vs = [dps.Variable(np.ones(100, np.float32)) for _ in range(1000)]
+        opt = dps.optimizers.Adam(0.1)
+    opt.apply_gradients([(np.ones(100, np.float32), v) for v in vs[:10]])
+    assert sum(num_variables(strategy)) == sum(before) + 1001  # and the optimizer's iterations
+    assert sum(s["slot_nbytes"] for s in strategy.ps_stats()) == 10 * 2 * 400
+    del vs
+    wait_until(lambda: sum(num_variables(strategy)) == sum(before) + 1, what="1,000 variables freed")
+    assert sum(s["slot_nbytes"] for s in strategy.ps_stats()) == 0
+    del opt
+    wait_until(lambda: num_variables(strategy) == before and
+               sum(s["num_optimizers"] for s in strategy.ps_stats()) == 0, what="optimizer freed")
+
+
+def test_local_variables_are_freed_too():
+    from daskps.ps.protocol import _LOCAL
+
+    before = _LOCAL.server.stats()["num_variables"]
+    vs = [dps.Variable(np.ones(10)) for _ in range(100)]
+    assert _LOCAL.server.stats()["num_variables"] == before + 100
+    del vs
+    gc.collect()
+    assert _LOCAL.server.stats()["num_variables"] == before
+
+
+def _ones(shape, dtype):
+    return np.ones(shape, dtype)
+
+
+def test_server_memory_returns_after_300_mb_are_dropped(fresh_cluster):
+    cluster, client = fresh_cluster
+    strategy = dps.ParameterServerStrategy(client)
+    servers = [ps.address for ps in strategy._ps]
+    with strategy.scope():
+        warm = dps.Variable(_ones, shape=(1024, 1024), dtype=np.float32)  # the first call's one-off costs
+        opt = dps.optimizers.Adam(0.01)
+    opt.apply_gradients([(np.ones((1024, 1024), np.float32), warm)])
+    del warm
+    wait_until(lambda: sum(num_variables(strategy)) == 1, what="warm-up freed")
+    start = rss(client, servers)
+    with strategy.scope():  # 300 MB: 50 variables of 4 MiB, Adam slots on 10 of them (80 MiB)
+        vs = [dps.Variable(_ones, shape=(1024, 1024), dtype=np.float32) for _ in range(50)]
+    opt.apply_gradients([(np.ones((1024, 1024), np.float32), v) for v in vs[:10]])
+    full = rss(client, servers)
+    assert sum(full.values()) - sum(start.values()) > 250 << 20
+    del vs
+    wait_until(lambda: sum(num_variables(strategy)) == 1, what="variables freed")
+    end = rss(client, servers)
+    grown = sum(end.values()) - sum(start.values())
+    assert grown < 80 << 20, f"servers kept {grown / 2**20:.0f} MB of 380 MB dropped"
+
+
+# -- handles held on workers count ----------------------------------------------------------
+def _keep(v):
+    get_worker()._daskps_test_kept = v
+
+
+def _read_kept():
+    return get_worker()._daskps_test_kept.numpy()
+
+
+def _drop_kept(dask_worker):
+    dask_worker.__dict__.pop("_daskps_test_kept", None)
+
+
+def test_handles_kept_on_a_worker_keep_the_variable(fresh_cluster):
+    cluster, client = fresh_cluster
+    strategy = dps.ParameterServerStrategy(client)
+    coordinator = dps.ClusterCoordinator(strategy)
+    with strategy.scope():
+        v = dps.Variable([5.0], name="escapee")
+    trainer = worker_address(client, "worker-0")
+    key = v._ref.key
+    client.submit(lambda: None, workers=[trainer]).result()
+    coordinator.schedule(_keep, args=(v,))
+    coordinator.join()
+    holder = [a for a, has in client.run(lambda dask_worker: hasattr(dask_worker, "_daskps_test_kept")).items() if has]
+    del v  # the coordinator's last handle
+    gc.collect()
+    time.sleep(0.5)
+    assert any(key in s["variables"] for s in strategy.ps_stats())  # the worker still holds it
+    got = client.submit(_read_kept, workers=holder, pure=False).result()
+    assert got.tolist() == [5.0]
+    client.run(_drop_kept, workers=holder)
+    wait_until(lambda: not any(key in s["variables"] for s in strategy.ps_stats()), what="freed after the worker let go")
+
+
+def test_handles_that_die_with_the_function_cost_no_round_trip(strategy, coordinator):
+    with strategy.scope():
+        v = dps.Variable([0.0])
+    before = [s["calls"].get("acquire", 0) for s in strategy.ps_stats()]
+
+    def step():
+        v.assign_add([1.0])  # (returning v would keep it in the result: that one is acquired)
+
+    for _ in range(10):
+        coordinator.schedule(step)
+    coordinator.join()
+    assert [s["calls"].get("acquire", 0) for s in strategy.ps_stats()] == before
+    assert v.numpy().tolist() == [10.0]
+
+
+# -- per-worker datasets ---------------------------------------------------------------------
+def _dataset_state(dask_worker):
+    state = getattr(dask_worker, "_daskps_state", None)
+    return sorted(state.datasets) if state is not None else []
+
+
+def test_datasets_are_built_on_trainers_only_and_forgotten_when_dropped(client):
+    strategy = dps.ParameterServerStrategy(client)
+    coordinator = dps.ClusterCoordinator(strategy)
+    dataset = coordinator.create_per_worker_dataset(lambda: iter(range(1000)))
+    it = iter(dataset)
+    for _ in range(10):
+        coordinator.schedule(lambda it: next(it), args=(it,))
+    coordinator.join()
+    plugins = client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.worker_plugins))
+    assert not [p for p in plugins if "daskps" in str(p)]  # nothing registered with the scheduler
+    ps = set(strategy.cluster_resolver.cluster_spec()["ps"])
+    built = client.run(_dataset_state)
+    assert all(dataset._spec.dataset_id not in built[a] for a in ps)
+    assert any(dataset._spec.dataset_id in ids for ids in built.values())
+    dataset_id = dataset._spec.dataset_id
+    del dataset, it
+    wait_until(lambda: all(dataset_id not in ids for ids in client.run(_dataset_state).values()),
+               what="dataset forgotten on the workers")
+    assert sum(s["blob_nbytes"] for s in strategy.ps_stats()) == 0
+
+
+def test_three_80_mb_datasets_made_and_dropped(fresh_cluster):
+    cluster, client = fresh_cluster
+    strategy = dps.ParameterServerStrategy(client)
+    coordinator = dps.ClusterCoordinator(strategy)
+    trainers = strategy.cluster_resolver.cluster_spec()["worker"]
+    everyone = trainers + [ps.address for ps in strategy._ps]
+    start = rss(client, everyone)
+    for round_ in range(3):
+        big = np.full(10_000_000, float(round_))  # 80 MB captured by dataset_fn
+
+        def dataset_fn(big=big):
+            return iter([float(big[0])] * 1000)
+
+        dataset = coordinator.create_per_worker_dataset(dataset_fn)
+        it = iter(dataset)
+        results = [coordinator.schedule(lambda it: next(it), args=(it,)) for _ in range(20)]
+        coordinator.join()
+        assert {r.fetch() for r in results} == {float(round_)}
+        del dataset, it, results, big, dataset_fn
+        wait_until(lambda: not any(client.run(_dataset_state).values()), what="dataset forgotten")
+    end = rss(client, everyone)
+    for addr in everyone:
+        grown = end[addr] - start[addr]
+        assert grown < 150 << 20, f"{addr} grew by {grown / 2**20:.0f} MB"
+
+
+# -- close() ---------------------------------------------------------------------------------
+def test_close_releases_servers_datasets_and_an_owned_client(cluster):
+    strategy = dps.ParameterServerStrategy(cluster.scheduler_address)  # makes (and owns) its client
+    client = strategy.client
+    coordinator = dps.ClusterCoordinator(strategy)
+    with strategy.scope():
+        v = dps.Variable([1.0], name="w")
+        opt = dps.optimizers.SGD(0.1)
+        metric = dps.metrics.Sum()
+    dataset = coordinator.create_per_worker_dataset(lambda: iter(range(10)))
+    it = iter(dataset)
+    coordinator.schedule(lambda it: next(it), args=(it,))
+    coordinator.join()
+    token = strategy._token
+    with Client(cluster) as observer:
+        assert sum(token in k for k in actor_keys(observer)) == 2
+        strategy.close()
+        assert client.status == "closed"
+        wait_until(lambda: not any(token in k for k in actor_keys(observer)), what="servers released")
+        assert not any(client_ids for client_ids in observer.run(_dataset_state).values())
+    uses = [
+        lambda: v.numpy(), lambda: v.assign([2.0]), lambda: opt.apply_gradients([(np.ones(1, np.float32), v)]),
+        lambda: metric.update_state(1.0), lambda: coordinator.schedule(lambda: 1),
+        lambda: coordinator.create_per_worker_dataset(lambda: []), lambda: strategy.scope().__enter__(),
+        lambda: dps.ClusterCoordinator(strategy), lambda: dps.Checkpoint(v=v).write("memory://closed"),
+    ]
+    for use in uses:
+        with pytest.raises(ClosedError, match=r"close\(\)"):
+            use()
+    strategy.close()  # again: nothing
+
+
+def test_with_block_closes(client):
+    with dps.ParameterServerStrategy(client) as strategy:
+        with strategy.scope():
+            v = dps.Variable(3.0)
+        assert float(v.numpy()) == 3.0
+    assert strategy.closed and client.status == "running"  # a client we passed in stays open
+    with pytest.raises(ClosedError, match=r"strategy.close\(\)"):
+        v.numpy()
+
+
+def test_close_cancels_pending_functions(strategy, coordinator):
+    from distributed import Event
+
+    gate = Event("daskps-close-gate")
+    remotes = [coordinator.schedule(lambda: gate.wait(10)) for _ in range(6)]
+    strategy.close()
+    gate.set()
+    with pytest.raises(dps.errors.CancelledError):
+        remotes[-1].fetch()
