@@ -14,7 +14,7 @@ from distributed import Client, get_worker
 import daskps as dps
 from daskps.errors import ClosedError
 
-from .conftest import worker_address
+from .conftest import kill_worker, worker_address
 
 
 def actor_keys(client: Client) -> set[str]:
@@ -205,6 +205,25 @@ def test_handles_kept_on_a_worker_keep_the_variable(fresh_cluster):
     assert got.tolist() == [5.0]
     client.run(_drop_kept, workers=holder)
     wait_until(lambda: not any(key in s["variables"] for s in strategy.ps_stats()), what="freed after the worker let go")
+
+
+def test_a_trainer_that_dies_holding_handles_leaks_nothing(fresh_cluster):
+    cluster, client = fresh_cluster
+    strategy = dps.ParameterServerStrategy(client)
+    coordinator = dps.ClusterCoordinator(strategy)
+    with strategy.scope():
+        v = dps.Variable([5.0], name="orphan")
+    key = v._ref.key
+    coordinator.schedule(_keep, args=(v,))
+    coordinator.join()
+    held = client.run(lambda dask_worker: hasattr(dask_worker, "_daskps_test_kept"))
+    name = next(info["name"] for a, info in client.scheduler_info()["workers"].items() if held.get(a))
+    del v
+    gc.collect()
+    time.sleep(0.5)
+    assert any(key in s["variables"] for s in strategy.ps_stats())
+    kill_worker(client, name)
+    wait_until(lambda: not any(key in s["variables"] for s in strategy.ps_stats()), what="freed when the holder died")
 
 
 def test_handles_that_die_with_the_function_cost_no_round_trip(strategy, coordinator):

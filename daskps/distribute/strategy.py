@@ -31,8 +31,8 @@ from daskps.distribute.context import (
 )
 from daskps.ps import protocol
 from daskps.ps.group import ServerGroup
+from daskps.ps.plugin import install_plugin
 from daskps.ps.protocol import ServerRef
-from daskps.ui.dashboard import install_plugin
 from daskps.ui.display import strategy_html, strategy_text
 
 __all__ = ["ParameterServerStrategy"]
@@ -147,7 +147,7 @@ class ParameterServerStrategy(_SingleReplicaStrategy):
                     f"(start one with `dask worker ADDRESS --resources {resource}=1`)"
                 )
         self._worker_names = [name for name, _ in trainers]
-        install_plugin(self._client)  # feeds the dashboard page
+        install_plugin(self._client)  # server bookkeeping on the scheduler (and the dashboard page)
         self._group: ServerGroup | None = ServerGroup(self._client, ps_workers)
         self._token = self._group.token
         self._ps: list[ServerRef] = self._group.servers

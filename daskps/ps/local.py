@@ -30,7 +30,7 @@ class LocalTransport:
             finally:
                 self._drain()
 
-    def release_later(self, server: Any, key: str) -> None:
+    def release_later(self, server: Any, key: str, holder: str) -> None:
         # Called from __del__, possibly inside run() on this thread: apply now only if free.
         self._releases.append(key)
         if self._lock.acquire(blocking=False):

@@ -41,6 +41,14 @@ from daskps.ps.local import LocalTransport
 HOLDER = uuid.uuid4().hex
 
 
+def holder_here() -> str:
+    """The holder id for handles registered here: on a worker, tied to its address (see forget_place)."""
+    try:
+        return f"{HOLDER}@{get_worker().address}"
+    except ValueError:
+        return HOLDER
+
+
 def connect_timeout() -> float:
     """Seconds to wait for a connection to a parameter server (config ``daskps.connect-timeout``)."""
     return parse_timedelta(dask.config.get("daskps.connect-timeout", "5s"))
@@ -109,7 +117,7 @@ class _DaskTransport:
         self.pool = pool
         self.client = client
         self._lock = threading.Lock()
-        self._releases: dict[ServerRef, list[str]] = {}
+        self._releases: dict[tuple[ServerRef, str], list[str]] = {}
         self._flush_queued = False
 
     def call(self, coroutine_fn: Any, *args: Any) -> Any:
@@ -158,10 +166,10 @@ class _DaskTransport:
             return _result(response["result"])
         raise _result(response["exception"])
 
-    def release_later(self, server: ServerRef, key: str) -> None:
+    def release_later(self, server: ServerRef, key: str, holder: str) -> None:
         """Queue one release of ``key``; a callback on the loop sends the queue (one message per server)."""
         with self._lock:
-            self._releases.setdefault(server, []).append(key)
+            self._releases.setdefault((server, holder), []).append(key)
             if self._flush_queued:
                 return
             self._flush_queued = True
@@ -173,8 +181,10 @@ class _DaskTransport:
     async def _flush(self) -> None:
         with self._lock:
             batch, self._releases, self._flush_queued = self._releases, {}, False
-        await asyncio.gather(*(self.send(s, [("release", (keys, HOLDER))]) for s, keys in batch.items()),
-                             return_exceptions=True)
+        servers: dict[ServerRef, Ops] = {}
+        for (server, holder), keys in batch.items():
+            servers.setdefault(server, []).append(("release", (keys, holder)))
+        await asyncio.gather(*(self.send(s, ops) for s, ops in servers.items()), return_exceptions=True)
 
 
 async def _each(transport: Any, batches: dict[ServerRef, Ops], timeout: float) -> dict[ServerRef, Any]:
@@ -356,21 +366,21 @@ def get_blob(server: ServerRef, key: str) -> bytes:
     return _run([(server, "get_blob", (key,))])[0]
 
 
-def acquire(pairs: Sequence[tuple[ServerRef, str]], owner: Any = None) -> None:
-    """Count one more handle of this process for each ``(server, key)``."""
-    _run(_keyed_calls("acquire", pairs), owner)
+def acquire(pairs: Sequence[tuple[ServerRef, str]], holder: str, owner: Any = None) -> None:
+    """Count one more handle of ``holder`` for each ``(server, key)``."""
+    _run(_keyed_calls("acquire", pairs, holder), owner)
 
 
-def release(pairs: Sequence[tuple[ServerRef, str]], owner: Any = None) -> None:
-    """Count one handle of this process less for each ``(server, key)``, now."""
-    _run(_keyed_calls("release", pairs), owner)
+def release(pairs: Sequence[tuple[ServerRef, str]], owner: Any = None, holder: str = HOLDER) -> None:
+    """Count one handle of ``holder`` less for each ``(server, key)``, now."""
+    _run(_keyed_calls("release", pairs, holder), owner)
 
 
-def _keyed_calls(op: str, pairs: Sequence[tuple[ServerRef, str]]) -> list:
+def _keyed_calls(op: str, pairs: Sequence[tuple[ServerRef, str]], holder: str) -> list:
     keys: dict[ServerRef, list[str]] = {}
     for server, key in pairs:
         keys.setdefault(server, []).append(key)
-    return [(server, op, (ks, HOLDER)) for server, ks in keys.items()]
+    return [(server, op, (ks, holder)) for server, ks in keys.items()]
 
 
 def save(path: str, items: Sequence[tuple[Any, tuple]]) -> list[dict]:
@@ -399,6 +409,11 @@ def stats(servers: Sequence[ServerRef], owner: Any = None, timeout: float | None
         return _run([(s, "stats", ()) for s in servers], owner)
     found = transport_here(owner).run_each({s: [("stats", ())] for s in servers if not s.is_local}, timeout)
     return [_LOCAL.run([("stats", ())])[0] if s.is_local else _first(found[s]) for s in servers]
+
+
+async def forget_place_async(pool: Any, servers: Sequence[ServerRef], address: str, timeout: float = 5.0) -> None:
+    """Tell ``servers`` (from inside an event loop) that the worker at ``address`` is gone."""
+    await _each(_DaskTransport(None, pool), {s: [("forget_place", (address,))] for s in servers}, timeout)
 
 
 async def stats_async(pool: Any, servers: Sequence[ServerRef], timeout: float) -> list:

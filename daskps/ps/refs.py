@@ -49,24 +49,28 @@ class Ref:
     dies; an unregistered one borrows a hold that another process keeps.
     """
 
-    __slots__ = ("server", "key", "name", "owner", "registered", "_sender", "__weakref__")
+    __slots__ = ("server", "key", "name", "owner", "holder", "_sender", "__weakref__")
 
-    def __init__(self, server: ServerRef, key: str, name: str, owner: Any, registered: bool):
+    def __init__(self, server: ServerRef, key: str, name: str, owner: Any, holder: str | None):
         self.server, self.key, self.name, self.owner = server, key, name, owner
-        self.registered = registered
-        self._sender: Any = protocol.sender_for(server, owner) if registered else None
+        self.holder = holder  # whom the server counts this handle for; None: borrowed
+        self._sender: Any = protocol.sender_for(server, owner) if holder is not None else None
         _TABLE[(server, key)] = self
         if not name.startswith("<"):
             protocol.remember(server, key, name)
 
-    def register(self) -> None:
+    @property
+    def registered(self) -> bool:
+        return self.holder is not None
+
+    def register(self, holder: str) -> None:
         self._sender = protocol.sender_for(self.server, self.owner)
-        self.registered = True
+        self.holder = holder
 
     def __del__(self) -> None:
         try:
-            if self.registered:
-                self._sender.release_later(self.server, self.key)
+            if self.holder is not None:
+                self._sender.release_later(self.server, self.key, self.holder)
             protocol.forget(self.server, self.key)
         except Exception:  # interpreter shutdown, closed loops: nothing left to release
             pass
@@ -81,14 +85,14 @@ class Ref:
 
 def owned(server: ServerRef, key: str, name: str, owner: Any = None) -> Ref:
     """The Ref of an object this process has just created (the server already counts it)."""
-    return Ref(server, key, name, owner, registered=True)
+    return Ref(server, key, name, owner, protocol.HOLDER)
 
 
 def borrow(server: ServerRef, key: str, name: str) -> Ref:
     """The Ref for a handle that arrived by pickle: this process's own, or a new borrowed one."""
     ref = _TABLE.get((server, key))
     if ref is None:
-        ref = Ref(server, key, name, group_of(server), registered=False)
+        ref = Ref(server, key, name, group_of(server), None)
         borrowed = _BORROWED.get()
         if borrowed is not None:
             borrowed.append(weakref.ref(ref))
@@ -133,10 +137,11 @@ def borrowing() -> Iterator[None]:
 
 
 def _acquire(refs: list[Ref]) -> None:
+    holder = protocol.holder_here()
     try:
-        protocol.acquire([(r.server, r.key) for r in refs])
+        protocol.acquire([(r.server, r.key) for r in refs], holder)
     except Exception as exc:  # the objects are gone already: the handles will say so when used
         logger.warning("daskps: could not keep %d handles alive: %s", len(refs), exc)
         return
     for r in refs:
-        r.register()
+        r.register(holder)

@@ -11,7 +11,7 @@ Every operation validates all of its input before it changes anything: one
 that raises leaves the server as it was.
 
 Objects live while some process holds them: each key has a count per
-holder (a process), set by ``create``/``add_optimizer``/``put_blob`` and
+holder (a process; on a worker, ``process@worker-address``), set by ``create``/``add_optimizer``/``put_blob`` and
 changed by ``acquire``/``release``; when the counts reach zero the object,
 and for a variable its optimizer slots, are dropped.
 
@@ -35,7 +35,7 @@ from daskps._core.updates import apply_update, check_gradient_of_kind, check_upd
 
 OPS = frozenset({
     "create", "read", "update", "add_optimizer", "apply_gradients", "put_blob", "get_blob",
-    "acquire", "release", "save", "stage_restore", "commit_restore", "abort_restore", "stats",
+    "acquire", "release", "forget_place", "save", "stage_restore", "commit_restore", "abort_restore", "stats",
 })
 
 
@@ -101,6 +101,18 @@ class ParameterServer:
             raise LookupError(f"{self._where()} no longer holds {missing}")
         for key in keys:
             self._holders[key][holder] += 1
+
+    def forget_place(self, address: str) -> int:
+        """The worker at ``address`` is gone: drop what its holders (``...@address``) held."""
+        suffix = f"@{address}"
+        dropped = 0
+        for key, counts in list(self._holders.items()):
+            for holder in [h for h in counts if h.endswith(suffix)]:
+                counts[holder] = 0
+            if not +counts:
+                self._drop(key)
+                dropped += 1
+        return dropped
 
     def release(self, keys: Sequence[str], holder: str) -> int:
         """Count one handle of ``holder`` less; drop what nobody holds. Returns how many were dropped."""

@@ -13,8 +13,8 @@ before the scheduler starts:
 - for a ``dask scheduler`` started by hand, preload this module:
   ``dask scheduler --preload daskps.dashboard``.
 
-The numbers come from a scheduler plugin (``DaskPSSchedulerPlugin``) that
-``ParameterServerStrategy`` registers; it notes where each server lives and
+The numbers come from the scheduler plugin of :mod:`daskps.ps.plugin`, which
+``ParameterServerStrategy`` registers: it notes where each server lives and
 counts completed functions per trainer; the page asks each server for its
 ``stats()`` directly, waiting at most a second.
 """
@@ -23,50 +23,14 @@ from __future__ import annotations
 
 import html
 import time
-from collections import Counter
 from typing import Any
 
 from dask.utils import format_bytes
-from distributed.diagnostics.plugin import SchedulerPlugin
 
 from daskps.ps import protocol
-from daskps.ps.group import parse_server_key
+from daskps.ps.plugin import PLUGIN_NAME, DaskPSSchedulerPlugin
 
 ROUTE = "/individual-daskps"
-PLUGIN_NAME = "daskps"
-
-
-class DaskPSSchedulerPlugin(SchedulerPlugin):
-    """Scheduler-side bookkeeping for the dashboard page."""
-
-    name = PLUGIN_NAME
-
-    def __init__(self, scheduler: Any = None) -> None:
-        self.scheduler = scheduler
-        self.servers: dict[str, str] = {}  # actor key -> worker address
-        self.completed: Counter[str] = Counter()  # worker address -> scheduled functions finished
-        self.failed: Counter[str] = Counter()
-
-    async def start(self, scheduler: Any) -> None:
-        self.scheduler = scheduler
-        for key, ts in scheduler.tasks.items():  # servers made before the plugin
-            if parse_server_key(key) and ts.who_has:
-                self.servers[key] = next(iter(ts.who_has)).address
-
-    def transition(self, key: Any, start: str, finish: str, *args: Any, stimulus_id: str, **kwargs: Any) -> None:
-        if not isinstance(key, str) or not key.startswith("daskps-"):
-            return
-        ts = self.scheduler.tasks.get(key) if self.scheduler is not None else None
-        where = kwargs.get("worker") or (next(iter(ts.who_has)).address if ts is not None and ts.who_has else None)
-        if parse_server_key(key):
-            if finish == "memory" and where:
-                self.servers[key] = where
-            elif finish in ("forgotten", "released", "erred"):
-                self.servers.pop(key, None)
-        elif finish == "memory" and where:
-            self.completed[where] += 1
-        elif finish == "erred" and ts is not None and ts.processing_on is not None:
-            self.failed[ts.processing_on.address] += 1
 
 
 async def server_stats(scheduler: Any, timeout: float = 1.0) -> list[dict[str, Any]]:
@@ -74,8 +38,7 @@ async def server_stats(scheduler: Any, timeout: float = 1.0) -> list[dict[str, A
     plugin = scheduler.plugins.get(PLUGIN_NAME)
     if plugin is None:
         return []
-    known = sorted(plugin.servers.items())
-    servers = [protocol.ServerRef(address, key, parse_server_key(key)[0]) for key, address in known]  # type: ignore[index]
+    servers = plugin.server_refs()
     rows = []
     for server, result in zip(servers, await protocol.stats_async(scheduler.rpc, servers, timeout)):
         row: dict[str, Any] = {"key": server.actor_key, "address": server.address, "task": server.task_id}
@@ -158,15 +121,6 @@ def register_page() -> bool:
         return False
     applications.setdefault(ROUTE, daskps_doc)
     return True
-
-
-def install_plugin(client: Any) -> None:
-    """Make sure the scheduler of ``client`` runs the plugin (once)."""
-    def has_plugin(dask_scheduler: Any) -> bool:
-        return PLUGIN_NAME in dask_scheduler.plugins
-
-    if not client.run_on_scheduler(has_plugin):
-        client.register_plugin(DaskPSSchedulerPlugin(), name=PLUGIN_NAME)
 
 
 # ``dask scheduler --preload daskps.dashboard``: the import adds the page...

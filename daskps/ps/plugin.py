@@ -1,0 +1,74 @@
+"""Scheduler-side bookkeeping: where the servers are, what trainers did, who left.
+
+``ParameterServerStrategy`` makes sure the scheduler runs one
+:class:`DaskPSSchedulerPlugin` (``dask scheduler --preload daskps.dashboard``
+adds it at start). It notes where each parameter-server actor lives and
+counts the scheduled functions each trainer completed or failed (the
+dashboard page shows both), and when a worker leaves it tells every server
+to forget the handles that worker's process held, so a trainer that dies
+holding handles leaks nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Any
+
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from daskps.ps import protocol
+from daskps.ps.group import parse_server_key
+
+PLUGIN_NAME = "daskps"
+
+
+class DaskPSSchedulerPlugin(SchedulerPlugin):
+    """The scheduler's view of daskps (see the module docstring)."""
+
+    name = PLUGIN_NAME
+
+    def __init__(self, scheduler: Any = None) -> None:
+        self.scheduler = scheduler
+        self.servers: dict[str, str] = {}  # actor key -> worker address
+        self.completed: Counter[str] = Counter()  # worker address -> scheduled functions finished
+        self.failed: Counter[str] = Counter()
+
+    async def start(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        for key, ts in scheduler.tasks.items():  # servers made before the plugin
+            if parse_server_key(key) and ts.who_has:
+                self.servers[key] = next(iter(ts.who_has)).address
+
+    def transition(self, key: Any, start: str, finish: str, *args: Any, stimulus_id: str, **kwargs: Any) -> None:
+        if not isinstance(key, str) or not key.startswith("daskps-"):
+            return
+        ts = self.scheduler.tasks.get(key) if self.scheduler is not None else None
+        where = kwargs.get("worker") or (next(iter(ts.who_has)).address if ts is not None and ts.who_has else None)
+        if parse_server_key(key):
+            if finish == "memory" and where:
+                self.servers[key] = where
+            elif finish in ("forgotten", "released", "erred"):
+                self.servers.pop(key, None)
+        elif finish == "memory" and where:
+            self.completed[where] += 1
+        elif finish == "erred" and ts is not None and ts.processing_on is not None:
+            self.failed[ts.processing_on.address] += 1
+
+    def server_refs(self) -> list[protocol.ServerRef]:
+        return [protocol.ServerRef(address, key, parse_server_key(key)[0])  # type: ignore[index]
+                for key, address in sorted(self.servers.items())]
+
+    def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:
+        servers = [s for s in self.server_refs() if s.address != worker]
+        if servers:
+            asyncio.ensure_future(protocol.forget_place_async(scheduler.rpc, servers, worker))
+
+
+def install_plugin(client: Any) -> None:
+    """Make sure the scheduler of ``client`` runs the plugin (once)."""
+    def has_plugin(dask_scheduler: Any) -> bool:
+        return PLUGIN_NAME in dask_scheduler.plugins
+
+    if not client.run_on_scheduler(has_plugin):
+        client.register_plugin(DaskPSSchedulerPlugin(), name=PLUGIN_NAME)
