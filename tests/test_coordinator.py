@@ -250,3 +250,4 @@ def test_ps_unavailable_says_what_happened_and_what_was_lost(fresh_cluster):
         for _ in range(100):
             w.numpy()
             time.sleep(0.1)
+    assert table.shape == (3,)  # held until here: the message names what is held

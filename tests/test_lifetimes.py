@@ -345,3 +345,75 @@ def test_close_cancels_pending_functions(strategy, coordinator):
     gate.set()
     with pytest.raises(dps.errors.CancelledError):
         remotes[-1].fetch()
+
+
+# -- found in review ---------------------------------------------------------------------------
+def _keep_optimizer(opt, v):
+    get_worker()._daskps_test_kept = (opt, v)  # a cache on the trainer
+    opt.apply_gradients([(np.ones(1, np.float32), v)])
+
+
+def _train_kept():
+    opt, v = get_worker()._daskps_test_kept
+    opt.apply_gradients([(np.ones(1, np.float32), v)])
+    return v.numpy()
+
+
+def test_an_optimizer_kept_on_a_trainer_keeps_and_then_frees_everything(strategy, coordinator, client):
+    before = [(s["num_variables"], s["num_optimizers"]) for s in strategy.ps_stats()]
+    with strategy.scope():
+        v = dps.Variable([5.0], name="v")
+        opt = dps.optimizers.SGD(0.5)
+    coordinator.schedule(_keep_optimizer, args=(opt, v))
+    coordinator.join()
+    holder = [a for a, has in client.run(lambda dask_worker: hasattr(dask_worker, "_daskps_test_kept")).items() if has]
+    del v, opt
+    gc.collect()
+    time.sleep(0.3)
+    np.testing.assert_allclose(client.submit(_train_kept, workers=holder, pure=False).result(), [4.0])
+    client.run(_drop_kept, workers=holder)
+    wait_until(lambda: [(s["num_variables"], s["num_optimizers"]) for s in strategy.ps_stats()] == before,
+               what="variable, counter and optimizer freed")
+
+
+def test_daskps_does_not_keep_a_dropped_client_alive(cluster):
+    import weakref
+
+    client = Client(cluster)
+    strategy = dps.ParameterServerStrategy(client)
+    with strategy.scope():
+        v = dps.Variable(1.0)
+    v.numpy()
+    gone = weakref.ref(client)
+    strategy.close()
+    client.close()
+    del client, strategy, v
+    wait_until(lambda: gone() is None, what="the client collected")
+
+
+def test_close_after_the_client_closed_still_closes(cluster):
+    client = Client(cluster)
+    strategy = dps.ParameterServerStrategy(client)
+    coordinator = dps.ClusterCoordinator(strategy)
+    dataset = coordinator.create_per_worker_dataset(lambda: iter(range(3)))
+    client.close()
+    strategy.close()  # warns that it could not reach the workers, but closes
+    assert strategy.closed
+    del dataset
+
+
+def test_trainers_forget_datasets_when_the_coordinator_goes_without_closing(cluster):
+    with Client(cluster) as observer:
+        client = Client(cluster)  # the coordinator's, to be lost as a crashed kernel would lose it
+        strategy = dps.ParameterServerStrategy(client)
+        coordinator = dps.ClusterCoordinator(strategy)
+        dataset = coordinator.create_per_worker_dataset(lambda: iter(range(1000)))
+        it = iter(dataset)
+        for _ in range(6):
+            coordinator.schedule(lambda it: next(it), args=(it,))
+        coordinator.join()
+        dataset_id = dataset._spec.dataset_id
+        assert any(dataset_id in ids for ids in observer.run(_dataset_state).values())
+        client.close()  # no strategy.close(), no drop: the scheduler releases the client's actors
+        wait_until(lambda: all(dataset_id not in ids for ids in observer.run(_dataset_state).values()),
+                   what="trainers forgot the dataset")

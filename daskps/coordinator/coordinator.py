@@ -289,7 +289,12 @@ class ClusterCoordinator:
         raise error
 
     def _cancel_all(self) -> None:
-        """Cancel every pending function (their RemoteValues raise CancelledError)."""
+        """Cancel every pending function (their RemoteValues raise CancelledError).
+
+        One that is already running on a worker may go on; what it refers to is
+        no longer kept alive for it, so objects the user has dropped may vanish
+        under it. Its result is discarded either way.
+        """
         with self._cond:
             cancelled = list(self._pending.values())
             self._pending.clear()

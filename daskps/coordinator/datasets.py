@@ -25,6 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from distributed.protocol.pickle import dumps
 from distributed.utils import sync
 from distributed.worker import get_worker
 
@@ -33,6 +34,7 @@ from daskps.distribute.context import DATASET_CONTEXT
 from daskps.distribute.values import InputContext
 from daskps.errors import NotScheduledError, OutOfRangeError
 from daskps.ps import protocol, refs
+from daskps.ps.plugin import add_cleanup, remove_cleanup
 
 __all__ = ["PerWorkerDataset", "PerWorkerIterator", "PerWorkerValues"]
 
@@ -143,7 +145,10 @@ class PerWorkerDataset:
         self._iterators = 0
         self._lock = threading.Lock()
         strategy._datasets.add(self)
-        self._forget = weakref.finalize(self, _forget_later, strategy.client, dataset_id)
+        # If the coordinator goes without dropping it, the scheduler has the trainers forget it.
+        strategy.client.run_on_scheduler(add_cleanup, server.actor_key, dataset_id, dumps(_forget_on_worker),
+                                         dumps((dataset_id,)))
+        self._forget = weakref.finalize(self, _forget_later, strategy.client, dataset_id, server.actor_key)
 
     def __iter__(self) -> PerWorkerIterator:
         with self._lock:
@@ -154,18 +159,19 @@ class PerWorkerDataset:
         """Forget the dataset on every worker now (``strategy.close``)."""
         pending = self._forget.detach()
         if pending is not None:
-            client, dataset_id = pending[2]
+            client, dataset_id, _ = pending[2]
             client.run(_forget_on_worker, dataset_id, on_error="ignore")
 
     def __repr__(self) -> str:
         return f"PerWorkerDataset(id={self._spec.dataset_id[:8]}, iterators={self._iterators})"
 
 
-def _forget_later(client: Any, dataset_id: str) -> None:
+def _forget_later(client: Any, dataset_id: str, server_key: str) -> None:
     """After the dataset is dropped: have every worker forget it, without blocking anyone."""
     async def forget() -> None:
         try:
             await client._run(_forget_on_worker, dataset_id, on_error="ignore")
+            await client._run_on_scheduler(remove_cleanup, server_key, dataset_id)
         except Exception:  # the cluster is going away: nothing left to free
             pass
 
@@ -193,10 +199,15 @@ def _wants_context(fn: Callable[..., Any]) -> bool:
 
 
 class _Built:
-    """A dataset on one worker: its function (once fetched), the dataset, its iterators."""
+    """A dataset on one worker: its function (once fetched), the dataset, its iterators.
 
-    def __init__(self, spec: _DatasetSpec):
-        self.spec = spec
+    It keeps no handle to the stored function: the coordinator keeps that alive
+    while functions that use the dataset run, and a handle kept here would
+    have to be counted for this worker.
+    """
+
+    def __init__(self, worker_names: tuple[str, ...]):
+        self.worker_names = worker_names
         self.fn: Any = None
         self.dataset: Any = None
         self.iterators: OrderedDict[int, Iterator[Any]] = OrderedDict()
@@ -229,22 +240,22 @@ class _WorkerState:
     def _iterator(self, spec: _DatasetSpec, iterator_id: int) -> Iterator[Any]:
         built = self.datasets.get(spec.dataset_id)
         if built is None:
-            built = self.datasets[spec.dataset_id] = _Built(spec)
+            built = self.datasets[spec.dataset_id] = _Built(spec.worker_names)
         it = built.iterators.get(iterator_id)
         if it is None:
-            it = built.iterators[iterator_id] = self._new_iterator(built)
+            it = built.iterators[iterator_id] = self._new_iterator(built, spec)
             while len(built.iterators) > MAX_ITERATORS_PER_DATASET:
                 built.iterators.popitem(last=False)
         return it
 
-    def _new_iterator(self, built: _Built) -> Iterator[Any]:
+    def _new_iterator(self, built: _Built, spec: _DatasetSpec) -> Iterator[Any]:
         if built.dataset is not None:
             it = iter(built.dataset)
             if it is not built.dataset:  # re-iterable: a fresh pass
                 return it
         if built.fn is None:
-            built.fn = pickle.loads(protocol.get_blob(built.spec.blob.server, built.spec.blob.key))
-        built.dataset = self._build(built.fn, built.spec.worker_names)
+            built.fn = pickle.loads(protocol.get_blob(spec.blob.server, spec.blob.key))
+        built.dataset = self._build(built.fn, built.worker_names)
         return iter(built.dataset)
 
     def _build(self, fn: Callable[..., Any], worker_names: tuple[str, ...]) -> Any:

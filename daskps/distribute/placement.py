@@ -13,6 +13,7 @@ dtypes); the variables layer wraps that into ``Variable`` or
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import uuid
 import warnings
@@ -85,7 +86,8 @@ def create(owner: Any, parts: list[Part], whole: tuple | None = None) -> list[Cr
     if errors:
         made = [(s.server, s.key) for s, r in zip(specs, results) if not isinstance(r, BaseException)]
         if made:
-            protocol.release(made, owner)
+            with contextlib.suppress(Exception):  # the first error is the one to see
+                protocol.release(made, owner)
         raise errors[0]
     if whole is not None and any(sliced for _, _, sliced in results):
         _warn_if_large(*whole)

@@ -13,6 +13,7 @@ so scheduled functions may capture it and call ``strategy.run`` on a worker.
 from __future__ import annotations
 
 import contextvars
+import logging
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,6 +37,8 @@ from daskps.ps.protocol import ServerRef
 from daskps.ui.display import strategy_html, strategy_text
 
 __all__ = ["ParameterServerStrategy"]
+
+logger = logging.getLogger("daskps")
 
 
 class ParameterServerExtended(_SingleReplicaExtended):
@@ -181,13 +184,17 @@ class ParameterServerStrategy(_SingleReplicaStrategy):
         group = self._group
         if group is None or group.closed:
             return
-        if self._coordinator is not None:
-            self._coordinator._cancel_all()
-        for dataset in list(self._datasets):
-            dataset._release()
-        group.close()
-        if self._owns_client and self._client is not None:
-            self._client.close()
+        try:
+            if self._coordinator is not None:
+                self._coordinator._cancel_all()
+            for dataset in list(self._datasets):
+                dataset._release()
+        except Exception as exc:  # e.g. the client is closed: the servers must go all the same
+            logger.warning("daskps: strategy.close() could not reach the workers: %s", exc)
+        finally:
+            group.close()
+            if self._owns_client and self._client is not None:
+                self._client.close()
 
     @property
     def closed(self) -> bool:

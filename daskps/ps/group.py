@@ -86,7 +86,10 @@ class ServerGroup:
         self.closed = True
         futures, self._futures = self._futures, []
         for fut in futures:
-            fut.release()
+            try:
+                fut.release()
+            except Exception:  # the client is gone: so are its actors
+                pass
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{len(self.servers)} servers"

@@ -6,6 +6,7 @@ code path (the protocol's) as variables on parameter servers.
 
 from __future__ import annotations
 
+import collections
 import threading
 from typing import Any
 
@@ -17,28 +18,28 @@ Ops = list[tuple[str, tuple]]
 class LocalTransport:
     """The server of local variables, called directly under a lock."""
 
-    def __init__(self, holder: str) -> None:
+    def __init__(self) -> None:
         self.server = ParameterServer(None)
-        self.holder = holder
         self._lock = threading.Lock()
-        self._releases: list[str] = []
+        self._releases: collections.deque[tuple[str, str]] = collections.deque()
 
     def run(self, ops: Ops) -> list:
         with self._lock:
-            try:
-                return self.server.execute(ops)
-            finally:
-                self._drain()
+            result = self.server.execute(ops)
+        self._drain_if_free()
+        return result
 
     def release_later(self, server: Any, key: str, holder: str) -> None:
-        # Called from __del__, possibly inside run() on this thread: apply now only if free.
-        self._releases.append(key)
-        if self._lock.acquire(blocking=False):
+        # From a finalizer, maybe during run() on this very thread: queue, and apply only if free.
+        self._releases.append((key, holder))
+        self._drain_if_free()
+
+    def _drain_if_free(self) -> None:
+        # Looping covers a release queued by another thread just before this one let go of the lock.
+        while self._releases and self._lock.acquire(blocking=False):
             try:
-                self._drain()
+                while self._releases:
+                    key, holder = self._releases.popleft()
+                    self.server.release([key], holder)
             finally:
                 self._lock.release()
-
-    def _drain(self) -> None:
-        while self._releases:
-            self.server.release([self._releases.pop()], self.holder)

@@ -6,16 +6,21 @@ adds it at start). It notes where each parameter-server actor lives and
 counts the scheduled functions each trainer completed or failed (the
 dashboard page shows both), and when a worker leaves it tells every server
 to forget the handles that worker's process held, so a trainer that dies
-holding handles leaks nothing.
+holding handles leaks nothing. Code above can also leave a *cleanup* with it:
+a function to run on every worker once a given server is gone, however it
+went (``strategy.close()``, everything dropped, or the coordinator's process
+ending); per-worker datasets use this so that trainers never keep them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import Counter
 from typing import Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.protocol.pickle import dumps
 
 from daskps.ps import protocol
 from daskps.ps.group import parse_server_key
@@ -33,6 +38,7 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
         self.servers: dict[str, str] = {}  # actor key -> worker address
         self.completed: Counter[str] = Counter()  # worker address -> scheduled functions finished
         self.failed: Counter[str] = Counter()
+        self.cleanups: dict[str, dict[str, tuple[bytes, bytes]]] = {}  # server key -> id -> (function, args)
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
@@ -50,6 +56,9 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
                 self.servers[key] = where
             elif finish in ("forgotten", "released", "erred"):
                 self.servers.pop(key, None)
+                todo = self.cleanups.pop(key, {}) if finish == "forgotten" else {}
+                if todo and self.scheduler is not None:
+                    asyncio.ensure_future(_run_on_workers(self.scheduler, list(todo.values())))
         elif finish == "memory" and where:
             self.completed[where] += 1
         elif finish == "erred" and ts is not None and ts.processing_on is not None:
@@ -63,6 +72,29 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
         servers = [s for s in self.server_refs() if s.address != worker]
         if servers:
             asyncio.ensure_future(protocol.forget_place_async(scheduler.rpc, servers, worker))
+
+
+async def _run_on_workers(scheduler: Any, calls: list[tuple[bytes, bytes]]) -> None:
+    for function, args in calls:
+        msg = {"op": "run", "function": function, "args": args, "kwargs": dumps({}), "wait": True}
+        with contextlib.suppress(Exception):  # a worker that is gone has nothing to clean
+            await scheduler.broadcast(msg=msg, on_error="return")
+
+
+def add_cleanup(server_key: str, cleanup_id: str, function: bytes, args: bytes, dask_scheduler: Any = None) -> None:
+    """Run the pickled ``function(*args)`` on every worker once the server ``server_key`` is gone.
+
+    Call with ``client.run_on_scheduler``.
+    """
+    plugin = dask_scheduler.plugins[PLUGIN_NAME]
+    plugin.cleanups.setdefault(server_key, {})[cleanup_id] = (function, args)
+
+
+def remove_cleanup(server_key: str, cleanup_id: str, dask_scheduler: Any = None) -> None:
+    """Forget a cleanup that is no longer needed (with ``client.run_on_scheduler``)."""
+    plugin = dask_scheduler.plugins.get(PLUGIN_NAME)
+    if plugin is not None:
+        plugin.cleanups.get(server_key, {}).pop(cleanup_id, None)
 
 
 def install_plugin(client: Any) -> None:

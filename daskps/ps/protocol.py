@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import threading
+import queue
 import uuid
 import weakref
 from collections.abc import Iterable, Sequence
@@ -81,20 +81,17 @@ LOCAL = ServerRef("inproc://local", "local", None)
 
 Ops = list[tuple[str, tuple]]
 
-# Names of the variables each server holds that this process knows of (for error messages).
-_KNOWN: dict[ServerRef, dict[str, str]] = {}
+# Every live handle in this process, by (server, key): at most one each (see daskps.ps.refs).
+HANDLES: weakref.WeakValueDictionary[tuple[ServerRef, str], Any] = weakref.WeakValueDictionary()
 
 
-def remember(server: ServerRef, key: str, name: str) -> None:
-    _KNOWN.setdefault(server, {})[key] = name
-
-
-def forget(server: ServerRef, key: str) -> None:
-    _KNOWN.get(server, {}).pop(key, None)
+def held_names(server: ServerRef) -> list[str]:
+    """Names of the variables on ``server`` that this process holds handles to."""
+    return sorted({h.name for (s, _), h in list(HANDLES.items()) if s == server and not h.name.startswith("<")})
 
 
 def _unavailable(server: ServerRef, what: str, exc: BaseException | None = None) -> PSUnavailableError:
-    names = sorted(set(_KNOWN.get(server, {}).values()))
+    names = held_names(server)
     shown = ", ".join(repr(n) for n in names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
     held = f" It held {shown}: their values are lost." if names else ""
     cause = f" ({type(exc).__name__}: {exc})" if exc is not None else ""
@@ -115,16 +112,22 @@ class _DaskTransport:
     def __init__(self, loop: Any, pool: Any, client: Any = None):
         self.loop = loop
         self.pool = pool
-        self.client = client
-        self._lock = threading.Lock()
-        self._releases: dict[tuple[ServerRef, str], list[str]] = {}
+        self._client = None if client is None else weakref.ref(client)  # never keep a client alive
+        # Releases come from finalizers, maybe inside a garbage collection on any thread:
+        # a SimpleQueue takes them without a lock that such a thread could already hold.
+        self._releases: queue.SimpleQueue[tuple[ServerRef, str, str]] = queue.SimpleQueue()
         self._flush_queued = False
+
+    @property
+    def client(self) -> Any:
+        return None if self._client is None else self._client()
 
     def call(self, coroutine_fn: Any, *args: Any) -> Any:
         """Run ``coroutine_fn(*args)`` on this transport's loop and wait for it."""
-        if self.client is not None and self.client.status in ("closing", "closed"):
+        client = self.client
+        if self._client is not None and (client is None or client.status in ("closing", "closed")):
             raise ClosedError(
-                f"the Dask client {self.client!r} was closed (client.close()); daskps reaches the "
+                f"the Dask client {client!r} was closed (client.close()); daskps reaches the "
                 "parameter servers through it, so make a new client and strategy"
             )
         return sync(self.loop, coroutine_fn, *args)
@@ -168,23 +171,29 @@ class _DaskTransport:
 
     def release_later(self, server: ServerRef, key: str, holder: str) -> None:
         """Queue one release of ``key``; a callback on the loop sends the queue (one message per server)."""
-        with self._lock:
-            self._releases.setdefault((server, holder), []).append(key)
-            if self._flush_queued:
-                return
-            self._flush_queued = True
+        self._releases.put((server, holder, key))
+        if self._flush_queued:
+            return
+        self._flush_queued = True
         try:
             self.loop.add_callback(self._flush)
-        except RuntimeError:  # the loop is closed: the servers are going away too
+        except Exception:  # the loop is closed: the servers are going away too
             pass
 
     async def _flush(self) -> None:
-        with self._lock:
-            batch, self._releases, self._flush_queued = self._releases, {}, False
-        servers: dict[ServerRef, Ops] = {}
-        for (server, holder), keys in batch.items():
-            servers.setdefault(server, []).append(("release", (keys, holder)))
-        await asyncio.gather(*(self.send(s, ops) for s, ops in servers.items()), return_exceptions=True)
+        self._flush_queued = False  # before draining: a release queued from now on schedules another flush
+        client = self.client
+        if self._client is not None and (client is None or client.status != "running"):
+            return  # the client went, and the scheduler released its servers with it
+        by_server: dict[ServerRef, dict[str, list[str]]] = {}
+        while True:
+            try:
+                server, holder, key = self._releases.get_nowait()
+            except queue.Empty:
+                break
+            by_server.setdefault(server, {}).setdefault(holder, []).append(key)
+        sends = [self.send(s, [("release", (keys, h)) for h, keys in per.items()]) for s, per in by_server.items()]
+        await asyncio.gather(*sends, return_exceptions=True)
 
 
 async def _each(transport: Any, batches: dict[ServerRef, Ops], timeout: float) -> dict[ServerRef, Any]:
@@ -200,7 +209,7 @@ async def _each(transport: Any, batches: dict[ServerRef, Ops], timeout: float) -
     return dict(zip(servers, await asyncio.gather(*(one(s) for s in servers))))
 
 
-_LOCAL = LocalTransport(HOLDER)
+_LOCAL = LocalTransport()
 _CLIENT_TRANSPORTS: weakref.WeakKeyDictionary[Any, _DaskTransport] = weakref.WeakKeyDictionary()
 
 
@@ -366,9 +375,24 @@ def get_blob(server: ServerRef, key: str) -> bytes:
     return _run([(server, "get_blob", (key,))])[0]
 
 
-def acquire(pairs: Sequence[tuple[ServerRef, str]], holder: str, owner: Any = None) -> None:
-    """Count one more handle of ``holder`` for each ``(server, key)``."""
-    _run(_keyed_calls("acquire", pairs, holder), owner)
+def acquire(pairs: Sequence[tuple[ServerRef, str]], holder: str, owner: Any = None) -> dict[ServerRef, Any]:
+    """Count one more handle of ``holder`` for each ``(server, key)``.
+
+    Each server's acquire succeeds or fails whole; returns ``{server: None or the exception}``.
+    """
+    calls = _keyed_calls("acquire", pairs, holder)
+    remote = {s: [(op, args)] for s, op, args in calls if not s.is_local}
+    transport = transport_here(owner)
+    found = transport.call(_each, transport, remote, 60.0) if remote else {}
+    out = {s: (r if isinstance(r, BaseException) else None) for s, r in found.items()}
+    for s, op, args in calls:
+        if s.is_local:
+            try:
+                _LOCAL.run([(op, args)])
+                out[s] = None
+            except Exception as exc:
+                out[s] = exc
+    return out
 
 
 def release(pairs: Sequence[tuple[ServerRef, str]], owner: Any = None, holder: str = HOLDER) -> None:

@@ -1,22 +1,25 @@
 """Lifetimes of server-side objects: reference counting across processes.
 
 Every variable, optimizer and dataset blob on a server is named by a key
-and counted per holding process (see ``ParameterServer.acquire``). In each
-process one :class:`Ref` stands for one ``(server, key)``; user-facing
-handles hold it, and handles that arrive by pickle find the same one.
+and counted per *holder* (a process; on a worker, tied to its address; see
+``ParameterServer.acquire``). In each process one :class:`Ref` stands for
+one ``(server, key)``; user-facing handles hold it, and handles that arrive
+by pickle find the same one.
 
 - The process that creates an object holds it (the server counts it at
-  creation); when its last handle dies, :class:`Ref` sends a release.
+  creation); when its last handle dies, the Ref's finalizer sends a release.
 - A handle pickled into a scheduled function is kept alive on the
-  coordinator until the function has finished (:func:`collecting`).
+  coordinator until the function has run (:func:`collecting`).
 - On the trainer, handles that the function leaves behind (in a cache, a
   dataset, a global) are *escapes*: before the function returns,
-  :func:`borrowing` acquires them for the trainer's process, which then
-  releases them when they die. Handles that die with the function cost
-  nothing.
+  :func:`borrowing` acquires them for the trainer, which then releases them
+  when they die (or the servers forget them when the trainer dies). Handles
+  that die with the function cost nothing.
 - A server's objects also keep its group (the Dask actors) alive.
 
 This is how Dask counts futures, with the servers as the scheduler.
+Releases run from ``weakref.finalize``: after a Ref's weak references are
+cleared, so a dying Ref can never be found and reused.
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ from daskps.ps.protocol import ServerRef
 
 logger = logging.getLogger("daskps")
 
-_TABLE: weakref.WeakValueDictionary[tuple[ServerRef, str], Ref] = weakref.WeakValueDictionary()
 # While a scheduled function runs on this worker: the Refs its unpickling made.
 _BORROWED: contextvars.ContextVar[list[weakref.ref] | None] = contextvars.ContextVar("daskps_borrowed", default=None)
 # While the coordinator pickles a scheduled function: what must live until it has run.
@@ -45,42 +47,45 @@ class Ref:
     """This process's hold on one object on one server.
 
     ``owner`` is the group of the servers (on the coordinator), or ``None``.
-    A registered Ref is counted on the server and releases itself when it
-    dies; an unregistered one borrows a hold that another process keeps.
+    ``holder`` is whom the server counts this Ref for; ``None`` means it
+    borrows a hold that another process keeps.
     """
 
-    __slots__ = ("server", "key", "name", "owner", "holder", "_sender", "__weakref__")
+    __slots__ = ("server", "key", "name", "owner", "holder", "__weakref__")
 
     def __init__(self, server: ServerRef, key: str, name: str, owner: Any, holder: str | None):
         self.server, self.key, self.name, self.owner = server, key, name, owner
-        self.holder = holder  # whom the server counts this handle for; None: borrowed
-        self._sender: Any = protocol.sender_for(server, owner) if holder is not None else None
-        _TABLE[(server, key)] = self
-        if not name.startswith("<"):
-            protocol.remember(server, key, name)
+        self.holder: str | None = None
+        protocol.HANDLES[(server, key)] = self
+        if holder is not None:
+            self.register(holder)
 
     @property
     def registered(self) -> bool:
         return self.holder is not None
 
     def register(self, holder: str) -> None:
-        self._sender = protocol.sender_for(self.server, self.owner)
+        """The server now counts this Ref for ``holder``: release when it dies."""
         self.holder = holder
-
-    def __del__(self) -> None:
-        try:
-            if self.holder is not None:
-                self._sender.release_later(self.server, self.key, self.holder)
-            protocol.forget(self.server, self.key)
-        except Exception:  # interpreter shutdown, closed loops: nothing left to release
-            pass
+        sender = protocol.sender_for(self.server, self.owner)
+        group = None if self.owner is None else weakref.ref(self.owner)
+        weakref.finalize(self, _release, sender, self.server, self.key, holder, group).atexit = False
 
     def __reduce__(self) -> Any:
+        if self.server.is_local:
+            raise TypeError(f"{self.name!r} lives in this process only and cannot be sent elsewhere")
         keep_alive(self)
         return (borrow, (self.server, self.key, self.name))
 
     def __repr__(self) -> str:
         return f"<Ref {self.name!r} {self.key} on {self.server.label}{'' if self.registered else ' (borrowed)'}>"
+
+
+def _release(sender: Any, server: ServerRef, key: str, holder: str, group: weakref.ref | None) -> None:
+    alive = None if group is None else group()
+    if group is not None and (alive is None or alive.closed):
+        return  # its servers were released already, and everything on them
+    sender.release_later(server, key, holder)
 
 
 def owned(server: ServerRef, key: str, name: str, owner: Any = None) -> Ref:
@@ -90,7 +95,7 @@ def owned(server: ServerRef, key: str, name: str, owner: Any = None) -> Ref:
 
 def borrow(server: ServerRef, key: str, name: str) -> Ref:
     """The Ref for a handle that arrived by pickle: this process's own, or a new borrowed one."""
-    ref = _TABLE.get((server, key))
+    ref = protocol.HANDLES.get((server, key))
     if ref is None:
         ref = Ref(server, key, name, group_of(server), None)
         borrowed = _BORROWED.get()
@@ -137,11 +142,12 @@ def borrowing() -> Iterator[None]:
 
 
 def _acquire(refs: list[Ref]) -> None:
+    """Register ``refs`` for this worker, each server all or nothing."""
     holder = protocol.holder_here()
-    try:
-        protocol.acquire([(r.server, r.key) for r in refs], holder)
-    except Exception as exc:  # the objects are gone already: the handles will say so when used
-        logger.warning("daskps: could not keep %d handles alive: %s", len(refs), exc)
-        return
+    outcome = protocol.acquire([(r.server, r.key) for r in refs], holder)
     for r in refs:
-        r.register(holder)
+        if outcome.get(r.server) is None:
+            r.register(holder)
+    failed = {s: e for s, e in outcome.items() if e is not None}
+    if failed:  # the objects are gone already: the handles will say so when used
+        logger.warning("daskps: could not keep handles alive on %s", {s.label: str(e) for s, e in failed.items()})

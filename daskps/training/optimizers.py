@@ -22,6 +22,7 @@ array([0.9, 1.9], dtype=float32)
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -76,13 +77,19 @@ class Optimizer:
         servers = list(strategy._ps) if in_scope else []
         self._key = f"{name}@{uuid.uuid4().hex[:12]}"  # names this optimizer on the servers
         servers.append(protocol.LOCAL)  # local variables can be trained too
-        protocol.add_optimizer(servers, self._key, transform, self.lazy_sparse, name, owner)
+        try:
+            protocol.add_optimizer(servers, self._key, transform, self.lazy_sparse, name, owner)
+        except BaseException:
+            with contextlib.suppress(Exception):  # undo where it worked; the first error is the one to see
+                protocol.release([(s, self._key) for s in servers], owner)
+            raise
         self._refs = [refs.owned(s, self._key, f"<optimizer {name}>", owner) for s in servers]
         self._built: list[Any] | None = None
 
     def __reduce__(self) -> Any:
+        remote = [r for r in self._refs if not r.server.is_local]  # this process's own server stays here
         return (_rebuild, (type(self), self._transform, self.lazy_sparse, self.name, self.iterations,
-                           self._key, self._refs))
+                           self._key, remote))
 
     # -- hyperparameters --------------------------------------------------------
     @property
