@@ -182,9 +182,6 @@ class _DaskTransport:
 
     async def _flush(self) -> None:
         self._flush_queued = False  # before draining: a release queued from now on schedules another flush
-        client = self.client
-        if self._client is not None and (client is None or client.status != "running"):
-            return  # the client went, and the scheduler released its servers with it
         by_server: dict[ServerRef, dict[str, list[str]]] = {}
         while True:
             try:
@@ -192,6 +189,9 @@ class _DaskTransport:
             except queue.Empty:
                 break
             by_server.setdefault(server, {}).setdefault(holder, []).append(key)
+        client = self.client
+        if self._client is not None and (client is None or client.status != "running"):
+            return  # the client went, and the scheduler released its servers with it
         sends = [self.send(s, [("release", (keys, h)) for h, keys in per.items()]) for s, per in by_server.items()]
         await asyncio.gather(*sends, return_exceptions=True)
 
