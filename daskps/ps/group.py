@@ -39,6 +39,8 @@ def parse_server_key(key: Any) -> tuple[int, str] | None:
 
 def group_of(server: ServerRef) -> ServerGroup | None:
     """The live group of ``server`` in this process, if any."""
+    if not _GROUPS:  # a worker's process: no groups
+        return None
     parsed = parse_server_key(server.actor_key)
     return None if parsed is None else _GROUPS.get(parsed[1])
 

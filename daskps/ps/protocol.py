@@ -23,7 +23,7 @@ import queue
 import uuid
 import weakref
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import dask.config
 from dask.utils import parse_timedelta
@@ -54,9 +54,11 @@ def connect_timeout() -> float:
     return parse_timedelta(dask.config.get("daskps.connect-timeout", "5s"))
 
 
-@dataclasses.dataclass(frozen=True)
-class ServerRef:
-    """Where one parameter server lives: worker address, actor key, task index."""
+class ServerRef(NamedTuple):
+    """Where one parameter server lives: worker address, actor key, task index.
+
+    A tuple: it is a dictionary key on every call, and travels with every handle.
+    """
 
     address: str
     actor_key: str

@@ -95,7 +95,7 @@ class Variable(ArrayLike, metaclass=_VariableMeta):
 
     def _setup(self, ref: Ref, shape: tuple, dtype: Any, trainable: bool, token: str | None) -> None:
         self._ref = ref
-        self._shape = tuple(int(d) for d in shape)
+        self._shape = shape if type(shape) is tuple else tuple(int(d) for d in shape)
         self._dtype = np.dtype(dtype)
         self._trainable = bool(trainable)
         self._strategy_token = token
@@ -115,7 +115,7 @@ class Variable(ArrayLike, metaclass=_VariableMeta):
                     "change would be lost. Create it inside `with strategy.scope():`."
                 )
             return (Variable, (self.numpy(), self._trainable, self.name))  # a copy, elsewhere
-        return (Variable._from_ref, (self._ref, self._shape, self._dtype.str, self._trainable, self._strategy_token))
+        return (_rebuild, (self._ref, self._shape, self._dtype.str, self._trainable, self._strategy_token))
 
     # -- properties ---------------------------------------------------------
     @property
@@ -299,6 +299,10 @@ class ShardedVariable(ArrayLike):
             f"<daskps.ShardedVariable {self._name!r} shape={self._shape} dtype={self.dtype} "
             f"shards={len(self._variables)}>"
         )
+
+
+def _rebuild(ref: Ref, shape: tuple, dtype: str, trainable: bool, token: str | None) -> Variable:
+    return Variable._from_ref(ref, shape, dtype, trainable, token)
 
 
 def _wrap_placed(placed: Any, strategy: Any) -> Any:
