@@ -313,7 +313,8 @@ def test_close_releases_servers_datasets_and_an_owned_client(cluster):
         strategy.close()
         assert client.status == "closed"
         wait_until(lambda: not any(token in k for k in actor_keys(observer)), what="servers released")
-        assert not any(client_ids for client_ids in observer.run(_dataset_state).values())
+        left = observer.run(_dataset_state)
+        assert not any(ids for ids in left.values()), left
     uses = [
         lambda: v.numpy(), lambda: v.assign([2.0]), lambda: opt.apply_gradients([(np.ones(1, np.float32), v)]),
         lambda: metric.update_state(1.0), lambda: coordinator.schedule(lambda: 1),
@@ -417,3 +418,15 @@ def test_trainers_forget_datasets_when_the_coordinator_goes_without_closing(clus
         client.close()  # no strategy.close(), no drop: the scheduler releases the client's actors
         wait_until(lambda: all(dataset_id not in ids for ids in observer.run(_dataset_state).values()),
                    what="trainers forgot the dataset")
+
+
+def test_a_dropped_coordinator_releases_everything(client):
+    strategy = dps.ParameterServerStrategy(client)
+    coordinator = dps.ClusterCoordinator(strategy)
+    with strategy.scope():
+        v = dps.Variable(0.0)
+    coordinator.schedule(lambda: v.assign_add(1.0))
+    coordinator.join()
+    token = strategy._token
+    del strategy, coordinator, v
+    wait_until(lambda: not any(token in k for k in actor_keys(client)), what="servers released")

@@ -1,108 +1,66 @@
 """``ClusterCoordinator``: schedule functions on training workers, asynchronously.
 
-Each ``schedule`` call becomes one Dask task restricted to ``worker``-tagged
-workers and returns a :class:`RemoteValue` at once. The function, its
-arguments and kwargs are pickled here, once: that both checks that they can
-travel and is the only serialization they get. Whatever server-side objects
-they refer to (variables, optimizers, datasets) are kept alive until the
-function has run, and a variable that lives only in this process is
-refused.
+``schedule`` pickles the function with its arguments (here, once: that
+checks they can travel, and refuses variables that live only in this
+process), queues it and returns a :class:`RemoteValue` at once. A pump on
+the client's event loop packs queued functions into batches, each one Dask
+task restricted to ``worker``-tagged workers, sized to the backlog (a share
+of the queue per trainer, at most ``daskps.max-batch``) with two batches in
+flight per trainer, so every trainer stays busy and the last batches are
+short. The scheduler sees one task per batch, not per function.
+
+Each function reports as soon as it finishes, through an event (see
+:mod:`daskps.coordinator.batches`): its RemoteValue is ready then, and a
+batch that Dask runs again after its trainer died skips the functions that
+already reported. Each batch's task result is fetched when it finishes and
+its future released, so nothing finished is ever recomputed.
 
 Errors follow TensorFlow's coordinator: the first error a function raises is
 kept and raised once, by whichever of ``join``, ``done`` or ``schedule`` comes
 next. When it is raised, every function still pending is cancelled (its
-RemoteValue raises :class:`~daskps.errors.CancelledError`) and the
-coordinator is ready for new work. A function may run more than once if the
-worker running it dies (at-least-once, as in TensorFlow).
+RemoteValue raises :class:`~daskps.errors.CancelledError`; queued ones never
+start) and the coordinator is ready for new work. A function may run more
+than once if its trainer dies before its result reached the coordinator
+(at-least-once, as in TensorFlow), never after.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import functools
 import itertools
-import pickle
+import math
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
+import dask.config
 from distributed import Client
-from distributed.client import FutureCancelledError
-from distributed.utils import CancelledError as _DaskCancelled
 
 from daskps._core.nest import map_structure
 from daskps._core.pickling import dumps_or_explain
-from daskps.coordinator.datasets import PerWorkerDataset, PerWorkerValues, local_worker_index
-from daskps.distribute.context import scheduled_function
+from daskps.coordinator.batches import BIG, ERROR, load_error, run_batch
+from daskps.coordinator.datasets import PerWorkerDataset
+from daskps.coordinator.remote import PENDING, RemoteValue, to_numpy
 from daskps.distribute.strategy import ParameterServerStrategy
-from daskps.errors import CancelledError
 from daskps.ps import refs
+from daskps.ps.plugin import BATCH_TOPIC_PREFIX
 from daskps.ui.display import coordinator_html
-from daskps.variables.variable import ShardedVariable, Variable
 
 __all__ = ["ClusterCoordinator", "RemoteValue"]
 
-_MISSING = object()
 
+class _Closure:
+    """One scheduled function: its pickle, what it keeps alive, its RemoteValue."""
 
-class RemoteValue:
-    """The result of a scheduled function, available once it has run.
+    __slots__ = ("id", "blob", "kept", "remote")
 
-    ``fetch()`` (or ``get()``) waits for it and returns it, with variables
-    replaced by their numpy values.
-    """
-
-    __slots__ = ("_future", "_cancelled", "_value", "__weakref__")
-
-    def __init__(self, future: Any):
-        self._future = future
-        self._cancelled = False
-        self._value: Any = _MISSING
-
-    def _cancel(self) -> None:
-        self._cancelled = True
-
-    def _raise_if_cancelled(self) -> None:
-        if self._cancelled or self._future.status == "cancelled":
-            raise CancelledError(
-                "the scheduled function was cancelled because another scheduled "
-                "function failed; schedule it again"
-            )
-
-    def fetch(self) -> Any:
-        """Wait for the value and return it; re-raises the function's error."""
-        if self._value is _MISSING:
-            self._raise_if_cancelled()
-            try:
-                result = self._future.result()
-            except (FutureCancelledError, _DaskCancelled):
-                self._cancelled = True
-                self._raise_if_cancelled()
-            self._value = _to_numpy(result)
-        return self._value
-
-    def get(self) -> Any:
-        """Same as :meth:`fetch`."""
-        return self.fetch()
-
-    def __reduce__(self):
-        raise TypeError("a RemoteValue cannot be sent to a worker; fetch() it first")
-
-    def __repr__(self) -> str:
-        state = "cancelled" if self._cancelled else self._future.status
-        return f"<RemoteValue {state}>"
-
-
-def _to_numpy(structure: Any) -> Any:
-    def convert(x: Any) -> Any:
-        if isinstance(x, RemoteValue):
-            return x.fetch()
-        if isinstance(x, (Variable, ShardedVariable)):
-            return x.numpy()
-        return x
-
-    return map_structure(convert, structure)
+    def __init__(self, cid: int, blob: bytes, kept: list[Any], remote: RemoteValue):
+        self.id, self.blob, self.kept, self.remote = cid, blob, kept, remote
 
 
 def _refuse_remote_values(structure: Any, arg: str) -> None:
@@ -114,24 +72,6 @@ def _refuse_remote_values(structure: Any, arg: str) -> None:
             )
 
     map_structure(check, structure)
-
-
-def _execute_closure(strategy_blob: bytes, closure_blob: bytes) -> Any:
-    """Runs on a training worker: one scheduled function."""
-    strategy = pickle.loads(strategy_blob)
-    with refs.borrowing():  # handles the function leaves behind are acquired for this worker
-        fn, args, kwargs = pickle.loads(closure_blob)
-        # Iterators resolve themselves on the worker; plain PerWorkerValues need its index.
-        if any(type(x) is PerWorkerValues for x in (*args, *kwargs.values())):
-            index = local_worker_index(tuple(strategy._worker_names))
-            local = lambda x: x._local(index) if type(x) is PerWorkerValues else x
-            args = map_structure(local, args)
-            kwargs = map_structure(local, kwargs)
-        try:
-            with scheduled_function(), strategy.scope():
-                return fn(*args, **kwargs)
-        finally:
-            del fn, args, kwargs
 
 
 def _pickle_closure(fn: Callable[..., Any], args: tuple, kwargs: dict, name: str) -> tuple[bytes, list[Any]]:
@@ -190,12 +130,17 @@ class ClusterCoordinator:
         self._loop: Any = client.loop
         self._strategy_blob = dumps_or_explain(strategy, "strategy")
         self._cond = threading.Condition()
-        self._pending: dict[str, RemoteValue] = {}
-        self._kept: dict[str, list[Any]] = {}  # what each pending function refers to, kept alive
+        self._queue: collections.deque[_Closure] = collections.deque()  # scheduled, not yet in a batch
+        self._pending: dict[int, _Closure] = {}  # scheduled, not finished (queued or in a batch)
+        self._batches: dict[str, tuple[Any, list[_Closure]]] = {}  # in flight: key -> (future, closures)
         self._error: BaseException | None = None
-        self._unwatched: list[Any] = []
-        self._watch_queued = False
-        self._counter = itertools.count()
+        self._pump_queued = False
+        self._ids = itertools.count()
+        self._batch_ids = itertools.count()
+        self._topic = f"{BATCH_TOPIC_PREFIX}{strategy._token}"
+        # The client keeps its handlers: give it one that does not keep this coordinator alive.
+        client.subscribe_topic(self._topic, functools.partial(_deliver, weakref.ref(self)))
+        weakref.finalize(self, _unsubscribe, client, self._topic)
         self.stats = {"scheduled": 0, "done": 0, "failed": 0, "cancelled": 0}
         self.last_error: BaseException | None = None
         self._created = time.monotonic()
@@ -215,96 +160,135 @@ class ClusterCoordinator:
             If ``fn`` is not callable, ``args``/``kwargs`` have the wrong type,
             or something in them cannot be pickled (the message names it).
         ValueError
-            If ``args`` or ``kwargs`` contain a :class:`RemoteValue`.
+            If ``args`` or ``kwargs`` contain a :class:`RemoteValue`, or the
+            function uses a variable made outside ``strategy.scope()``.
         Exception
             The first error of an earlier scheduled function, if not yet raised.
         """
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-        if args is None:
-            args = ()
-        elif not isinstance(args, (list, tuple)):
-            raise TypeError(f"args must be a tuple or list, got {type(args).__name__}")
-        if kwargs is None:
-            kwargs = {}
-        elif not isinstance(kwargs, dict):
-            raise TypeError(f"kwargs must be a dict, got {type(kwargs).__name__}")
+        args = _checked(args, (list, tuple), "args", "a tuple or list", ())
+        kwargs = _checked(kwargs, dict, "kwargs", "a dict", {})
         _refuse_remote_values(args, "args")
         _refuse_remote_values(kwargs, "kwargs")
         self._strategy._check_open("coordinator.schedule")
         self._raise_pending_error()
-        name = getattr(fn, "__name__", type(fn).__name__)
-        key = f"daskps-{name}-{next(self._counter)}-{self._strategy._token[:8]}"
-        blob, kept = _pickle_closure(fn, tuple(args), kwargs, name)
-        future = self._client.submit(
-            _execute_closure, self._strategy_blob, blob, key=key, resources={"worker": 1}, pure=False,
-        )
-        remote = RemoteValue(future)
+        blob, kept = _pickle_closure(fn, tuple(args), kwargs, getattr(fn, "__name__", type(fn).__name__))
+        closure = _Closure(next(self._ids), blob, kept, RemoteValue(self))
         with self._cond:
-            self._pending[key] = remote
-            self._kept[key] = kept
+            self._queue.append(closure)
+            self._pending[closure.id] = closure
             self.stats["scheduled"] += 1
-            self._unwatched.append(future)
-            wake = not self._watch_queued
-            self._watch_queued = True
+            wake = not self._pump_queued
+            self._pump_queued = True
         if wake:  # one loop wake-up serves every schedule call made meanwhile
-            self._loop.add_callback(self._watch_batch)
-        return remote
+            self._loop.add_callback(self._pump)
+        return closure.remote
 
-    def _watch_batch(self) -> None:
-        """On the client's event loop: start watching newly scheduled futures."""
+    def _batch_size(self, trainers: int) -> int:
+        share = math.ceil(len(self._queue) / (2 * trainers))
+        return max(1, min(int(dask.config.get("daskps.max-batch", 64)), share))
+
+    def _pump(self) -> None:
+        """On the client's event loop: put queued functions into batches while trainers need work."""
+        trainers = max(1, len(self._strategy._worker_names))
         with self._cond:
-            batch, self._unwatched = self._unwatched, []
-            self._watch_queued = False
-        for future in batch:
-            asyncio.ensure_future(self._watch(future))
+            self._pump_queued = False
+            batches: list[list[_Closure]] = []
+            while self._queue and len(self._batches) + len(batches) < 2 * trainers:
+                size = self._batch_size(trainers)
+                batches.append([self._queue.popleft() for _ in range(min(size, len(self._queue)))])
+            for closures in batches:
+                key = f"daskps-batch-{next(self._batch_ids)}-{self._strategy._token[:8]}"
+                future = self._client.submit(
+                    run_batch, self._strategy_blob, self._topic, key, [(c.id, c.blob) for c in closures],
+                    key=key, resources={"worker": 1}, pure=False,
+                )
+                self._batches[key] = (future, closures)
+                asyncio.ensure_future(self._watch(key, future))
 
-    async def _watch(self, future: Any) -> None:
+    def _on_event(self, event: tuple[float, Any]) -> None:
+        """On the client's event loop: a function finished on a trainer."""
+        _, (batch_key, cid, status, payload) = event
+        with self._cond:
+            closure = self._pending.get(cid)
+            if closure is None or closure.remote._state != PENDING or status == BIG:
+                return  # cancelled meanwhile, or its (big) result comes with the batch
+            if status == ERROR:
+                self._fail(closure, load_error(payload))
+            else:
+                closure.remote._finish(payload)
+                self._done(closure)
+
+    def _done(self, closure: _Closure) -> None:
+        self._pending.pop(closure.id, None)
+        self.stats["done" if closure.remote._state != "error" else "failed"] += 1
+        self._cond.notify_all()
+
+    def _fail(self, closure: _Closure, error: BaseException) -> None:
+        closure.remote._fail(error)
+        self.last_error = error
+        if self._error is None:
+            self._error = error
+        self._done(closure)
+
+    async def _watch(self, key: str, future: Any) -> None:
+        """A batch's task finished: take its big results, settle the rest, release the future."""
         await future._state.wait()
-        status = future.status
-        error = None
-        if status == "error":
+        results, error = {}, None
+        if future.status == "finished":
+            try:
+                results = await future
+            except Exception as exc:  # its result was lost with its worker
+                error = exc
+        elif future.status == "error":
             error = future._state.exception
-            if future._state.traceback is not None:
-                error = error.with_traceback(future._state.traceback)
+        future.release()
         with self._cond:
-            remote = self._pending.pop(future.key, None)
-            self._kept.pop(future.key, None)
-            if remote is not None:
-                if error is not None:
-                    self.stats["failed"] += 1
-                    self.last_error = error
-                    if self._error is None:
-                        self._error = error
-                elif status == "finished":
-                    self.stats["done"] += 1
-            self._cond.notify_all()
+            _, closures = self._batches.pop(key, (None, []))
+            for c in closures:
+                if c.remote._state != PENDING or c.id not in self._pending:
+                    continue
+                if c.id in results:
+                    c.remote._finish(None, results[c.id])
+                    self._done(c)
+                elif error is not None:
+                    self._fail(c, error)
+                # else: not run, because an earlier function of the batch failed: cancelled when that is raised
+        self._pump()
 
+    # -- errors and waiting ----------------------------------------------------------
     def _raise_pending_error(self) -> None:
         with self._cond:
             error, self._error = self._error, None
-            if error is None:
-                return
+        if error is None:
+            return
         self._cancel_all()
         raise error
 
     def _cancel_all(self) -> None:
-        """Cancel every pending function (their RemoteValues raise CancelledError).
+        """Cancel every pending function: queued ones never start; a running batch stops after its current one.
 
-        One that is already running on a worker may go on; what it refers to is
-        no longer kept alive for it, so objects the user has dropped may vanish
-        under it. Its result is discarded either way.
+        A function already running may finish; what it refers to is no longer
+        kept alive for it, so objects the user has dropped may vanish under it.
+        Its result is discarded either way.
         """
         with self._cond:
             cancelled = list(self._pending.values())
             self._pending.clear()
-            self._kept.clear()
+            self._queue.clear()
+            futures = [f for f, _ in self._batches.values()]
             self.stats["cancelled"] += len(cancelled)
+            for c in cancelled:
+                c.remote._cancel()
             self._cond.notify_all()
-        for remote in cancelled:
-            remote._cancel()
-        if cancelled and self._client.status == "running":
-            self._client.cancel([r._future for r in cancelled])
+        if futures and self._client.status == "running":
+            self._client.cancel(futures)
+
+    def _wait_for(self, remote: RemoteValue) -> None:
+        with self._cond:
+            while remote._state == PENDING:
+                self._cond.wait(timeout=1.0)
 
     def join(self) -> None:
         """Block until every scheduled function has finished.
@@ -329,25 +313,15 @@ class ClusterCoordinator:
         """Replace RemoteValues and variables in ``val`` by their numpy values.
 
         ``val`` may be a nested list, tuple or dict; other objects are returned
-        unchanged. Results of many RemoteValues come back in one round trip.
+        unchanged.
         """
-        remotes = [x for x in _flat_remote_values(val) if x._value is _MISSING and not x._cancelled]
-        live = [r for r in remotes if r._future.status != "cancelled"]
-        if live:
-            try:
-                results = self._client.gather([r._future for r in live], errors="skip")
-            except Exception:
-                results = None
-            if results is not None and len(results) == len(live):
-                for r, value in zip(live, results):
-                    r._value = _to_numpy(value)
-        return _to_numpy(val)
+        return to_numpy(val)
 
     def create_per_worker_dataset(self, dataset_fn: Callable[..., Any]) -> PerWorkerDataset:
         """Build ``dataset_fn()`` (or ``dataset_fn(input_context)``) on each worker.
 
-        Returns a :class:`~daskps.datasets.PerWorkerDataset`; ``iter()`` on it
-        gives a per-worker iterator to pass to scheduled functions.
+        Returns a :class:`~daskps.coordinator.datasets.PerWorkerDataset`;
+        ``iter()`` on it gives a per-worker iterator to pass to scheduled functions.
         """
         return PerWorkerDataset(self, dataset_fn)
 
@@ -355,25 +329,39 @@ class ClusterCoordinator:
         """Counts, throughput and the last error, without waiting on anything."""
         with self._cond:
             in_flight = len(self._pending)
+            stats = dict(self.stats)
         elapsed = max(time.monotonic() - self._created, 1e-9)
-        return dict(self.stats, in_flight=in_flight, per_second=self.stats["done"] / elapsed,
-                    since_join=self.stats["scheduled"] - self._joined_at,
+        return dict(stats, in_flight=in_flight, per_second=stats["done"] / elapsed,
+                    since_join=stats["scheduled"] - self._joined_at,
                     last_error=None if self.last_error is None else repr(self.last_error))
 
     def _repr_html_(self) -> str:
         return coordinator_html(self)
 
     def __repr__(self) -> str:
-        with self._cond:
-            pending = len(self._pending)
-        s = self.stats
+        s = self.summary()
         return (
-            f"<ClusterCoordinator scheduled={s['scheduled']} pending={pending} "
+            f"<ClusterCoordinator scheduled={s['scheduled']} pending={s['in_flight']} "
             f"done={s['done']} failed={s['failed']} cancelled={s['cancelled']}>"
         )
 
 
-def _flat_remote_values(val: Any) -> list[RemoteValue]:
-    found: list[RemoteValue] = []
-    map_structure(lambda x: found.append(x) if isinstance(x, RemoteValue) else None, val)
-    return found
+def _deliver(coordinator: weakref.ref, event: Any) -> None:
+    alive = coordinator()
+    if alive is not None:
+        alive._on_event(event)
+
+
+def _unsubscribe(client: Client, topic: str) -> None:
+    try:
+        client.unsubscribe_topic(topic)
+    except Exception:  # the client is closed already
+        pass
+
+
+def _checked(value: Any, kinds: Any, arg: str, expected: str, default: Any) -> Any:
+    if value is None:
+        return default
+    if not isinstance(value, kinds):
+        raise TypeError(f"{arg} must be {expected}, got {type(value).__name__}")
+    return value

@@ -2,9 +2,10 @@
 
 ``ParameterServerStrategy`` makes sure the scheduler runs one
 :class:`DaskPSSchedulerPlugin` (``dask scheduler --preload daskps.dashboard``
-adds it at start). It notes where each parameter-server actor lives and
-counts the scheduled functions each trainer completed or failed (the
-dashboard page shows both), and when a worker leaves it tells every server
+adds it at start). It notes where each parameter-server actor lives,
+which scheduled functions of each batch have reported (a batch that runs
+again after its trainer died skips them), and how many each trainer
+completed or failed (the dashboard page shows both); when a worker leaves it tells every server
 to forget the handles that worker's process held, so a trainer that dies
 holding handles leaks nothing. Code above can also leave a *cleanup* with it:
 a function to run on every worker once a given server is gone, however it
@@ -26,6 +27,8 @@ from daskps.ps import protocol
 from daskps.ps.group import parse_server_key
 
 PLUGIN_NAME = "daskps"
+BATCH_TOPIC_PREFIX = "daskps-batches-"
+REPORTED_HANDLER = "daskps_reported"
 
 
 class DaskPSSchedulerPlugin(SchedulerPlugin):
@@ -39,9 +42,11 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
         self.completed: Counter[str] = Counter()  # worker address -> scheduled functions finished
         self.failed: Counter[str] = Counter()
         self.cleanups: dict[str, dict[str, tuple[bytes, bytes]]] = {}  # server key -> id -> (function, args)
+        self.reported: dict[str, set[int]] = {}  # batch key -> functions whose result went out
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
+        scheduler.handlers[REPORTED_HANDLER] = self.batch_reported
         for key, ts in scheduler.tasks.items():  # servers made before the plugin
             if parse_server_key(key) and ts.who_has:
                 self.servers[key] = next(iter(ts.who_has)).address
@@ -49,20 +54,33 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
     def transition(self, key: Any, start: str, finish: str, *args: Any, stimulus_id: str, **kwargs: Any) -> None:
         if not isinstance(key, str) or not key.startswith("daskps-"):
             return
+        if not parse_server_key(key):
+            if finish == "forgotten":
+                self.reported.pop(key, None)
+            return
         ts = self.scheduler.tasks.get(key) if self.scheduler is not None else None
         where = kwargs.get("worker") or (next(iter(ts.who_has)).address if ts is not None and ts.who_has else None)
-        if parse_server_key(key):
-            if finish == "memory" and where:
-                self.servers[key] = where
-            elif finish in ("forgotten", "released", "erred"):
-                self.servers.pop(key, None)
-                todo = self.cleanups.pop(key, {}) if finish == "forgotten" else {}
-                if todo and self.scheduler is not None:
-                    asyncio.ensure_future(_run_on_workers(self.scheduler, list(todo.values())))
-        elif finish == "memory" and where:
-            self.completed[where] += 1
-        elif finish == "erred" and ts is not None and ts.processing_on is not None:
-            self.failed[ts.processing_on.address] += 1
+        if finish == "memory" and where:
+            self.servers[key] = where
+        elif finish in ("forgotten", "released", "erred"):
+            self.servers.pop(key, None)
+            todo = self.cleanups.pop(key, {}) if finish == "forgotten" else {}
+            if todo and self.scheduler is not None:
+                asyncio.ensure_future(_run_on_workers(self.scheduler, list(todo.values())))
+
+    def log_event(self, topic: str, msg: Any) -> None:
+        """A scheduled function finished: ``[batch_key, function_id, status, payload]``."""
+        if not topic.startswith(BATCH_TOPIC_PREFIX):
+            return
+        batch_key, function_id, status = msg[0], msg[1], msg[2]
+        self.reported.setdefault(batch_key, set()).add(function_id)
+        ts = self.scheduler.tasks.get(batch_key) if self.scheduler is not None else None
+        if ts is not None and ts.processing_on is not None:
+            (self.failed if status == "error" else self.completed)[ts.processing_on.address] += 1
+
+    def batch_reported(self, key: str) -> list[int]:
+        """The functions of batch ``key`` that have reported (asked by a batch that runs again)."""
+        return sorted(self.reported.get(key, ()))
 
     def server_refs(self) -> list[protocol.ServerRef]:
         return [protocol.ServerRef(address, key, parse_server_key(key)[0])  # type: ignore[index]

@@ -1,0 +1,120 @@
+"""``compare.py``'s runners for daskps and for raw Dask (one LocalPSCluster each run)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from distributed import wait
+
+import daskps as dps
+from _workloads import (
+    BATCH,
+    DIM,
+    FIELDS,
+    LR,
+    SMALL_SIZE,
+    SMALL_VARS,
+    VOCAB,
+    ctr_batches,
+    ctr_grads,
+    ctr_table,
+    dense_batches,
+    dense_grads,
+    dense_init,
+    small_grads,
+    small_init,
+)
+
+
+def _timed(coordinator, fn, args, steps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        coordinator.schedule(fn, args=args)
+    coordinator.join()
+    start = time.perf_counter()
+    for _ in range(steps):
+        coordinator.schedule(fn, args=args)
+    coordinator.join()
+    return steps / (time.perf_counter() - start)
+
+
+def _noop():
+    return None
+
+
+def run_daskps(workloads: list[str], num_ps: int, num_workers: int, steps: dict[str, int]) -> dict[str, float]:
+    out = {}
+    with dps.LocalPSCluster(num_ps=num_ps, num_workers=num_workers) as cluster, cluster.get_client() as client:
+        partitioner = dps.partitioners.MinSizePartitioner(256 << 10, max_shards=num_ps)
+        with dps.ParameterServerStrategy(client, variable_partitioner=partitioner) as strategy:
+            coordinator = dps.ClusterCoordinator(strategy)
+            for name in workloads:
+                out[name] = globals()[f"_daskps_{name}"](strategy, coordinator, steps[name])
+    return out
+
+
+def _daskps_dispatch(strategy, coordinator, steps: int) -> float:
+    return _timed(coordinator, _noop, (), steps, warmup=100)
+
+
+def _daskps_dense(strategy, coordinator, steps: int) -> float:
+    with strategy.scope():
+        params = [dps.Variable(v, name=k) for k, v in dense_init().items()]
+        opt = dps.optimizers.SGD(LR)
+    data = coordinator.create_per_worker_dataset(lambda ctx: _cycle(dense_batches(ctx.input_pipeline_id)))
+
+    def step(it):
+        x, y = next(it)
+        loss, grads = dense_grads(*dps.read_values(params), x, y)
+        opt.apply_gradients(zip(grads, params))
+        return loss
+
+    return BATCH * _timed(coordinator, step, (iter(data),), steps, warmup=20)
+
+
+def _daskps_ctr(strategy, coordinator, steps: int) -> float:
+    with strategy.scope():
+        table = dps.Variable(ctr_table, shape=(FIELDS * VOCAB, DIM), dtype=np.float32, name="table")
+        w = dps.Variable(np.full((FIELDS * DIM, 1), 0.01, np.float32), name="w")
+        opt = dps.optimizers.SGD(LR)
+    data = coordinator.create_per_worker_dataset(lambda ctx: _cycle(ctr_batches(ctx.input_pipeline_id)))
+
+    def step(it):
+        ids, y = next(it)
+        rows = dps.embedding_lookup(table, ids)
+        loss, row_grads, gw = ctr_grads(rows, w.numpy(), ids, y)
+        opt.apply_gradients([(dps.IndexedSlices(row_grads, ids.ravel()), table), (gw, w)])
+        return loss
+
+    return BATCH * _timed(coordinator, step, (iter(data),), steps, warmup=20)
+
+
+def _daskps_small(strategy, coordinator, steps: int) -> float:
+    with strategy.scope():
+        vs = [dps.Variable(v, name=f"v{i}") for i, v in enumerate(small_init())]
+        opt = dps.optimizers.SGD(LR)
+    assert len(vs) == SMALL_VARS and vs[0].shape == (SMALL_SIZE,)
+
+    def step():
+        opt.apply_gradients(zip(small_grads(dps.read_values(vs)), vs))
+
+    return _timed(coordinator, step, (), steps, warmup=20)
+
+
+def _cycle(batches):
+    while True:
+        yield from batches
+
+
+def run_dask(workloads: list[str], num_ps: int, num_workers: int, steps: dict[str, int]) -> dict[str, float]:
+    """Raw Dask: empty tasks to worker-tagged workers, submitted and waited for."""
+    out = {}
+    if "dispatch" not in workloads:
+        return out
+    with dps.LocalPSCluster(num_ps=num_ps, num_workers=num_workers) as cluster, cluster.get_client() as client:
+        n = steps["dispatch"]
+        wait([client.submit(_noop, resources={"worker": 1}, pure=False) for _ in range(100)])
+        start = time.perf_counter()
+        wait([client.submit(_noop, resources={"worker": 1}, pure=False) for _ in range(n)])
+        out["dispatch"] = n / (time.perf_counter() - start)
+    return out

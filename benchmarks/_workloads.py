@@ -1,0 +1,92 @@
+"""The four workloads of ``compare.py``: model maths and data, shared by the numpy systems.
+
+- ``dispatch``: empty functions.
+- ``dense``: MLP 784 -> 256 (relu) -> 10, softmax cross-entropy.
+- ``ctr``: 8 fields x 100,000 ids, embedding dim 16 (one 800,000 x 16 table),
+  logits = concat(embeddings) @ w (128 x 1), sigmoid cross-entropy; sparse gradients.
+- ``small``: 64 variables of 32 floats, every one read and updated each step.
+
+Batch 256, SGD with learning rate 0.05. Each trainer cycles through a few
+batches generated once, so data generation is not what is measured.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+BATCH = 256
+LR = 0.05
+FIELDS, VOCAB, DIM = 8, 100_000, 16
+SMALL_VARS, SMALL_SIZE = 64, 32
+N_BATCHES = 4
+
+
+def dense_init(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "w1": (rng.normal(size=(784, 256)) * 0.05).astype(np.float32),
+        "b1": np.zeros(256, np.float32),
+        "w2": (rng.normal(size=(256, 10)) * 0.05).astype(np.float32),
+        "b2": np.zeros(10, np.float32),
+    }
+
+
+def dense_batches(worker: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(100 + worker)
+    return [(rng.normal(size=(BATCH, 784)).astype(np.float32), rng.integers(0, 10, BATCH)) for _ in range(N_BATCHES)]
+
+
+def dense_grads(w1, b1, w2, b2, x, y):
+    """Loss and gradients of the MLP for one batch (numpy)."""
+    h = x @ w1 + b1
+    a = np.maximum(h, 0)
+    logits = a @ w2 + b2
+    logits -= logits.max(axis=1, keepdims=True)
+    p = np.exp(logits)
+    p /= p.sum(axis=1, keepdims=True)
+    loss = -np.log(p[np.arange(len(y)), y] + 1e-9).mean()
+    g = p
+    g[np.arange(len(y)), y] -= 1
+    g /= len(y)
+    gw2, gb2 = a.T @ g, g.sum(axis=0)
+    gh = (g @ w2.T) * (h > 0)
+    return loss, (x.T @ gh, gh.sum(axis=0), gw2, gb2)
+
+
+def ctr_table(shape, dtype, partition_shape=None, partition_offset=None):
+    """Initializer for the embedding table (each shard builds its own rows)."""
+    rows = partition_shape or shape
+    rng = np.random.default_rng(0 if partition_offset is None else partition_offset[0])
+    return (rng.normal(size=rows) * 0.01).astype(dtype)
+
+
+def ctr_batches(worker: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(200 + worker)
+    out = []
+    for _ in range(N_BATCHES):
+        ids = rng.integers(0, VOCAB, size=(BATCH, FIELDS)) + np.arange(FIELDS) * VOCAB
+        out.append((ids.astype(np.int64), (rng.random(BATCH) < 0.3).astype(np.float32)))
+    return out
+
+
+def ctr_grads(rows, w, ids, y):
+    """Loss and gradients given the embedding rows of ``ids`` (shape ids.shape + (DIM,))."""
+    emb = rows.reshape(len(ids), FIELDS * DIM)
+    z = (emb @ w)[:, 0]
+    p = 1 / (1 + np.exp(-z))
+    loss = -np.mean(y * np.log(p + 1e-7) + (1 - y) * np.log(1 - p + 1e-7))
+    g = ((p - y) / len(y)).astype(np.float32)[:, None]
+    row_grads = (g @ w.T).reshape(len(ids) * FIELDS, DIM)
+    return loss, row_grads, emb.T @ g
+
+
+def small_init() -> list[np.ndarray]:
+    return [np.full(SMALL_SIZE, i / SMALL_VARS, np.float32) for i in range(SMALL_VARS)]
+
+
+def small_grads(values: list[np.ndarray]) -> list[np.ndarray]:
+    return [np.float32(0.01) * v + np.float32(0.001) for v in values]
+
+
+EXAMPLES_PER_STEP = {"dispatch": 1, "dense": BATCH, "ctr": BATCH, "small": 1}
+UNITS = {"dispatch": "functions/s", "dense": "examples/s", "ctr": "examples/s", "small": "steps/s"}

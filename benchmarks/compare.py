@@ -1,0 +1,142 @@
+"""daskps against TensorFlow's ParameterServerStrategy, Ray actors and raw Dask, side by side.
+
+Four workloads (see ``_workloads.py``) on 2 parameter servers and 2 trainers
+by default: empty-function dispatch, a dense MLP, a CTR model with a sharded
+embedding table, and 64 small variables. Each system runs in a fresh
+subprocess per round, the systems alternating, over ``--rounds`` rounds; the
+table shows the best round of each and daskps' ratio to each peer.
+
+    pip install ".[compare]"                      # tensorflow-cpu and ray
+    python benchmarks/compare.py                  # the table
+    python benchmarks/compare.py --workers 2,4,8  # scaling: dispatch and dense per trainer count
+
+Systems that are not installed are skipped, and said so. Every peer listens
+on 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from _workloads import UNITS  # noqa: E402
+
+SYSTEMS = {"daskps": "daskps", "tf": "tensorflow", "ray": "ray", "dask": "distributed"}
+NAMES = {"daskps": "daskps", "tf": "TensorFlow PSS", "ray": "Ray actors", "dask": "raw Dask"}
+WORKLOADS = ["dispatch", "dense", "ctr", "small"]
+STEPS = {"dispatch": 1000, "dense": 300, "ctr": 300, "small": 300}
+
+
+def run_one(system: str, workloads: list[str], num_ps: int, num_workers: int, steps: dict[str, int]) -> dict:
+    """In a subprocess: run ``workloads`` on ``system`` and return rates."""
+    module = {"daskps": "_run_daskps", "dask": "_run_daskps", "tf": "_run_tf", "ray": "_run_ray"}[system]
+    runner = getattr(__import__(module), f"run_{system}")
+    return runner(workloads, num_ps, num_workers, steps)
+
+
+def _spawn(system: str, workloads: list[str], num_ps: int, num_workers: int, steps: dict, timeout: float) -> dict:
+    cmd = [sys.executable, __file__, "--child", system, "--ps", str(num_ps), "--workers", str(num_workers),
+           "--only", ",".join(workloads), "--steps", json.dumps(steps)]
+    env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout}s"}
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1][:200]}
+
+
+def _available(systems: list[str]) -> tuple[list[str], list[str]]:
+    have = [s for s in systems if importlib.util.find_spec(SYSTEMS[s]) is not None]
+    return have, [s for s in systems if s not in have]
+
+
+def compare(systems: list[str], workloads: list[str], rounds: int, num_ps: int, num_workers: int,
+            steps: dict, timeout: float) -> dict[str, dict[str, float]]:
+    best: dict[str, dict[str, float]] = {s: {} for s in systems}
+    for r in range(rounds):
+        order = systems if r % 2 == 0 else systems[::-1]  # alternate, so load drifts hit all alike
+        for system in order:
+            wanted = ["dispatch"] if system == "dask" else workloads
+            wanted = [w for w in wanted if w in workloads]
+            if not wanted:
+                continue
+            got = _spawn(system, wanted, num_ps, num_workers, steps, timeout)
+            print(f"  round {r + 1} {NAMES[system]:15s} {got}", file=sys.stderr, flush=True)
+            for w, rate in got.items():
+                if w != "error":
+                    best[system][w] = max(best[system].get(w, 0.0), rate)
+    return best
+
+
+def table(best: dict[str, dict[str, float]], workloads: list[str]) -> str:
+    peers = [s for s in ("tf", "ray", "dask") if s in best]
+    head = ["workload", "unit"] + [NAMES[s] for s in ["daskps"] + peers] + [f"daskps / {NAMES[p]}" for p in peers]
+    rows = [head, ["---"] * len(head)]
+    for w in workloads:
+        mine = best.get("daskps", {}).get(w)
+        row = [w, UNITS[w]] + [f"{best[s][w]:,.0f}" if w in best.get(s, {}) else "-" for s in ["daskps"] + peers]
+        row += [f"{mine / best[p][w]:.2f}x" if mine and w in best[p] else "-" for p in peers]
+        rows.append(row)
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--systems", default="daskps,tf,ray,dask")
+    parser.add_argument("--only", default=",".join(WORKLOADS), help="workloads to run")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--ps", type=int, default=2)
+    parser.add_argument("--workers", default="2", help="trainers; a list (2,4,8) runs the scaling mode")
+    parser.add_argument("--steps", default=None, help="JSON: steps per workload")
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    steps = dict(STEPS, **(json.loads(args.steps) if args.steps else {}))
+    workloads = [w for w in args.only.split(",") if w]
+    if args.child:
+        print("RESULT " + json.dumps(run_one(args.child, workloads, args.ps, int(args.workers), steps)), flush=True)
+        return 0
+    systems, missing = _available([s for s in args.systems.split(",") if s])
+    print(f"# {platform.node()}: {os.cpu_count()} cores, Python {platform.python_version()}, "
+          f"{time.strftime('%Y-%m-%d')}; {args.ps} ps")
+    if missing:
+        print(f"# not installed, skipped: {', '.join(NAMES[s] for s in missing)} (pip install '.[compare]')")
+    counts = [int(w) for w in args.workers.split(",")]
+    if len(counts) > 1:
+        return _scaling(systems, counts, args, steps)
+    best = compare(systems, workloads, args.rounds, args.ps, counts[0], steps, args.timeout)
+    print(f"# {counts[0]} trainers, best of {args.rounds} rounds")
+    print(table(best, workloads))
+    return 0
+
+
+def _scaling(systems: list[str], counts: list[int], args: argparse.Namespace, steps: dict) -> int:
+    workloads = [w for w in args.only.split(",") if w in ("dispatch", "dense")] or ["dispatch", "dense"]
+    rows = {}
+    for n in counts:
+        print(f"# {n} trainers", file=sys.stderr)
+        rows[n] = compare(systems, workloads, args.rounds, args.ps, n, steps, args.timeout)
+    for w in workloads:
+        shown = [s for s in systems if any(w in rows[n].get(s, {}) for n in counts)]
+        print(f"\n{w} ({UNITS[w]}), best of {args.rounds} rounds")
+        print("| trainers | " + " | ".join(NAMES[s] for s in shown) + " |")
+        print("| --- " * (len(shown) + 1) + "|")
+        for n in counts:
+            print(f"| {n} | " + " | ".join(f"{rows[n][s].get(w, 0):,.0f}" for s in shown) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

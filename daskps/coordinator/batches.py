@@ -1,0 +1,102 @@
+"""Runs a batch of scheduled functions on a trainer, reporting each as it finishes.
+
+The coordinator packs several scheduled functions into one Dask task (see
+:mod:`daskps.coordinator.coordinator`). On the trainer, :func:`run_batch`
+runs them in schedule order and, as each one finishes, logs an event
+``[batch_key, function_id, status, payload]`` to the coordinator's topic:
+the result (pickled, when small) or the error reaches the coordinator at
+once, through the scheduler. The scheduler plugin notes which functions of a
+batch have reported; if the trainer dies and Dask runs the batch again
+elsewhere, the new run asks for that list first and skips them, so a
+function whose result reached the coordinator never runs again. Results too
+big for an event travel as the task's own result instead.
+
+A batch stops at the first error (the coordinator cancels what is left when
+it raises it) and when its task is cancelled (nothing queued starts).
+"""
+
+from __future__ import annotations
+
+import pickle
+import traceback
+from typing import Any
+
+from distributed.protocol.pickle import dumps
+from distributed.utils import sync
+from distributed.worker import get_worker
+
+from daskps._core.nest import map_structure
+from daskps.coordinator.datasets import PerWorkerValues, local_worker_index
+from daskps.distribute.context import scheduled_function
+from daskps.ps import refs
+from daskps.ps.plugin import REPORTED_HANDLER
+
+OK, BIG, ERROR = "ok", "big", "error"
+# Results up to this size ride in the event; bigger ones come back with the task.
+INLINE_BYTES = 64 << 10
+
+
+def run_batch(strategy_blob: bytes, topic: str, batch_key: str, closures: list[tuple[int, bytes]]) -> dict[int, Any]:
+    """Run ``closures`` (``(function id, pickled (fn, args, kwargs))``) in order; return big results."""
+    worker = get_worker()
+    strategy = pickle.loads(strategy_blob)
+    reported = set(sync(worker.loop, getattr(worker.scheduler, REPORTED_HANDLER), key=batch_key))
+    big: dict[int, Any] = {}
+    for cid, blob in closures:
+        if cid in reported:
+            continue  # ran before this task was moved here, and its result reached the coordinator
+        if _cancelled(worker, batch_key):
+            break
+        status, payload, value = _run_one(strategy, blob)
+        if status == BIG:
+            big[cid] = value
+        worker.log_event(topic, [batch_key, cid, status, payload])
+        if status == ERROR:
+            break
+    return big
+
+
+def _cancelled(worker: Any, key: str) -> bool:
+    ts = worker.state.tasks.get(key)
+    return ts is None or ts.state == "cancelled"
+
+
+def _run_one(strategy: Any, blob: bytes) -> tuple[str, bytes | None, Any]:
+    """Run one scheduled function: ``(status, payload for the event, the value if too big)``."""
+    try:
+        with refs.borrowing():  # handles the function leaves behind are acquired for this worker
+            fn, args, kwargs = pickle.loads(blob)
+            if any(type(x) is PerWorkerValues for x in (*args, *kwargs.values())):
+                index = local_worker_index(tuple(strategy._worker_names))
+                local = lambda x: x._local(index) if type(x) is PerWorkerValues else x  # noqa: E731
+                args, kwargs = map_structure(local, args), map_structure(local, kwargs)
+            try:
+                with scheduled_function(), strategy.scope():
+                    value = fn(*args, **kwargs)
+            finally:
+                del fn, args, kwargs
+    except Exception as exc:
+        return ERROR, _pickled_error(exc), None
+    try:
+        payload = dumps(value)
+    except Exception as exc:
+        return ERROR, _pickled_error(TypeError(f"the result of a scheduled function cannot be pickled: {exc}")), None
+    if len(payload) > INLINE_BYTES:
+        return BIG, None, value
+    return OK, payload, None
+
+
+def _pickled_error(exc: BaseException) -> bytes:
+    where = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        return dumps((exc, where))
+    except Exception:
+        return dumps((RuntimeError(f"{type(exc).__name__}: {exc}"), where))
+
+
+def load_error(payload: bytes) -> BaseException:
+    """The exception a function raised on a worker, with the worker's traceback as a note."""
+    exc, where = pickle.loads(payload)
+    if hasattr(exc, "add_note"):
+        exc.add_note(f"raised in a scheduled function on a worker:\n{where}")
+    return exc
