@@ -11,12 +11,17 @@ elsewhere, the new run asks for that list first and skips them, so a
 function whose result reached the coordinator never runs again. Results too
 big for an event travel as the task's own result instead.
 
-A batch stops at the first error (the coordinator cancels what is left when
-it raises it) and when its task is cancelled (nothing queued starts).
+Updates and gradient pushes are pipelined (:mod:`daskps.ps.pipeline`): a
+step's push rides at the front of the next step's reads, and a function is
+reported only once its pushes have been applied. A batch stops at the first
+error (the coordinator cancels what is left when it raises it) and when its
+task is cancelled (nothing queued starts).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import pickle
 import traceback
 from typing import Any
@@ -28,7 +33,7 @@ from distributed.worker import get_worker
 from daskps._core.nest import map_structure
 from daskps.coordinator.datasets import PerWorkerValues, local_worker_index
 from daskps.distribute.context import scheduled_function
-from daskps.ps import refs
+from daskps.ps import pipeline, protocol, refs
 from daskps.ps.plugin import REPORTED_HANDLER
 
 OK, BIG, ERROR = "ok", "big", "error"
@@ -36,24 +41,47 @@ OK, BIG, ERROR = "ok", "big", "error"
 INLINE_BYTES = 64 << 10
 
 
-def run_batch(strategy_blob: bytes, topic: str, batch_key: str, closures: list[tuple[int, bytes]]) -> dict[int, Any]:
-    """Run ``closures`` (``(function id, pickled (fn, args, kwargs))``) in order; return big results."""
+def run_batch(strategy_blob: bytes, topic: str, batch_key: str,
+              closures: list[tuple[int, tuple[bytes, bytes]]]) -> dict[int, Any]:
+    """Run ``closures`` (``(function id, (pickled fn, pickled (args, kwargs)))``) in order; return big results.
+
+    Pushes are pipelined (:mod:`daskps.ps.pipeline`): a function is reported
+    once its pushes have been applied, in schedule order.
+    """
     worker = get_worker()
     strategy = pickle.loads(strategy_blob)
     reported = set(sync(worker.loop, getattr(worker.scheduler, REPORTED_HANDLER), key=batch_key))
     big: dict[int, Any] = {}
-    for cid, blob in closures:
-        if cid in reported:
-            continue  # ran before this task was moved here, and its result reached the coordinator
-        if _cancelled(worker, batch_key):
-            break
-        status, payload, value = _run_one(strategy, blob)
-        if status == BIG:
-            big[cid] = value
-        worker.log_event(topic, [batch_key, cid, status, payload])
-        if status == ERROR:
-            break
+    finished: collections.deque[list] = collections.deque()
+    with pipeline.pipelined() as pipe:
+        report = lambda: _report_settled(worker, topic, batch_key, pipe, finished)  # noqa: E731
+        for cid, blob in closures:
+            if cid in reported:
+                continue  # ran before this task was moved here, and its result reached the coordinator
+            if _cancelled(worker, batch_key):
+                break
+            pipe.function = cid
+            status, payload, value = _run_one(strategy, blob)
+            pipe.function = None
+            if status == BIG:
+                big[cid] = value
+            finished.append([cid, status, payload])
+            report()
+            if status == ERROR:
+                break
+        with contextlib.suppress(Exception):  # a failed push is reported as its function's error
+            protocol.flush()
+        report()
     return big
+
+
+def _report_settled(worker: Any, topic: str, batch_key: str, pipe: Any, finished: collections.deque) -> None:
+    """Report, in order, the finished functions whose pushes have all been applied."""
+    while finished and pipe.settled(finished[0][0]):
+        cid, status, payload = finished.popleft()
+        if cid in pipe.errors:
+            status, payload = ERROR, _pickled_error(pipe.errors[cid])
+        worker.log_event(topic, [batch_key, cid, status, payload])
 
 
 def _cancelled(worker: Any, key: str) -> bool:
@@ -61,11 +89,12 @@ def _cancelled(worker: Any, key: str) -> bool:
     return ts is None or ts.state == "cancelled"
 
 
-def _run_one(strategy: Any, blob: bytes) -> tuple[str, bytes | None, Any]:
+def _run_one(strategy: Any, blob: tuple[bytes, bytes]) -> tuple[str, bytes | None, Any]:
     """Run one scheduled function: ``(status, payload for the event, the value if too big)``."""
     try:
         with refs.borrowing():  # handles the function leaves behind are acquired for this worker
-            fn, args, kwargs = pickle.loads(blob)
+            fn = pickle.loads(blob[0])
+            args, kwargs = pickle.loads(blob[1])
             if any(type(x) is PerWorkerValues for x in (*args, *kwargs.values())):
                 index = local_worker_index(tuple(strategy._worker_names))
                 local = lambda x: x._local(index) if type(x) is PerWorkerValues else x  # noqa: E731

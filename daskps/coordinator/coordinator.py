@@ -1,8 +1,10 @@
 """``ClusterCoordinator``: schedule functions on training workers, asynchronously.
 
-``schedule`` pickles the function with its arguments (here, once: that
-checks they can travel, and refuses variables that live only in this
-process), queues it and returns a :class:`RemoteValue` at once. A pump on
+``schedule`` pickles the function's arguments, and the function itself the
+first time it is scheduled (as Dask does with functions it submits: what a
+function captures is read then, so pass values that change as arguments).
+That checks they can travel and refuses variables that live only in this
+process. It queues the function and returns a :class:`RemoteValue` at once. A pump on
 the client's event loop packs queued functions into batches, each one Dask
 task restricted to ``worker``-tagged workers, sized to the backlog (a share
 of the queue per trainer, at most ``daskps.max-batch``) with two batches in
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import itertools
 import math
@@ -59,7 +62,7 @@ class _Closure:
 
     __slots__ = ("id", "blob", "kept", "remote")
 
-    def __init__(self, cid: int, blob: bytes, kept: list[Any], remote: RemoteValue):
+    def __init__(self, cid: int, blob: tuple[bytes, bytes], kept: list[Any], remote: RemoteValue):
         self.id, self.blob, self.kept, self.remote = cid, blob, kept, remote
 
 
@@ -74,16 +77,33 @@ def _refuse_remote_values(structure: Any, arg: str) -> None:
     map_structure(check, structure)
 
 
-def _pickle_closure(fn: Callable[..., Any], args: tuple, kwargs: dict, name: str) -> tuple[bytes, list[Any]]:
-    """The pickled ``(fn, args, kwargs)`` and what must stay alive until it has run."""
+# Functions are pickled once, at their first schedule (as Dask does with the functions it
+# submits): pickling a closure scans sys.modules for every module it uses, per call.
+_PICKLED_FUNCTIONS: weakref.WeakKeyDictionary[Any, tuple[bytes, list[Any]]] = weakref.WeakKeyDictionary()
+
+
+def _pickle(obj: Any, what: str) -> tuple[bytes, list[Any]]:
+    """``obj`` pickled, and what it refers to that must stay alive until it has run."""
     with refs.collecting() as kept:
         try:
-            return cloudpickle.dumps((fn, args, kwargs)), kept
+            return cloudpickle.dumps(obj), kept
         except ValueError:
             raise  # a variable of this process only: its message says what to do
         except Exception:
-            dumps_or_explain((fn, args, kwargs), f"the function {name!r} or its arguments")
+            dumps_or_explain(obj, what)
             raise
+
+
+def _pickle_closure(fn: Callable[..., Any], args: tuple, kwargs: dict, name: str) -> tuple[tuple[bytes, bytes], list]:
+    """``(pickled fn, pickled (args, kwargs))`` and what must stay alive until the function has run."""
+    try:
+        fn_blob, fn_kept = _PICKLED_FUNCTIONS[fn]
+    except (KeyError, TypeError):  # not seen yet, or not weak-referenceable (then not cached)
+        fn_blob, fn_kept = _pickle(fn, f"the function {name!r}")
+        with contextlib.suppress(TypeError):
+            _PICKLED_FUNCTIONS[fn] = (fn_blob, fn_kept)
+    args_blob, args_kept = _pickle((args, kwargs), f"the arguments of {name!r}")
+    return (fn_blob, args_blob), fn_kept + args_kept
 
 
 class ClusterCoordinator:
@@ -135,6 +155,7 @@ class ClusterCoordinator:
         self._batches: dict[str, tuple[Any, list[_Closure]]] = {}  # in flight: key -> (future, closures)
         self._error: BaseException | None = None
         self._pump_queued = False
+        self._fetching = 0  # threads waiting in RemoteValue.fetch(): wake them on every result
         self._ids = itertools.count()
         self._batch_ids = itertools.count()
         self._topic = f"{BATCH_TOPIC_PREFIX}{strategy._token}"
@@ -223,7 +244,8 @@ class ClusterCoordinator:
     def _done(self, closure: _Closure) -> None:
         self._pending.pop(closure.id, None)
         self.stats["done" if closure.remote._state != "error" else "failed"] += 1
-        self._cond.notify_all()
+        if self._fetching or not self._pending or self._error is not None:
+            self._cond.notify_all()  # join() needs waking only when all is done, or on an error
 
     def _fail(self, closure: _Closure, error: BaseException) -> None:
         closure.remote._fail(error)
@@ -287,8 +309,12 @@ class ClusterCoordinator:
 
     def _wait_for(self, remote: RemoteValue) -> None:
         with self._cond:
-            while remote._state == PENDING:
-                self._cond.wait(timeout=1.0)
+            self._fetching += 1
+            try:
+                while remote._state == PENDING:
+                    self._cond.wait(timeout=1.0)
+            finally:
+                self._fetching -= 1
 
     def join(self) -> None:
         """Block until every scheduled function has finished.

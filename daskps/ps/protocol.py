@@ -34,7 +34,9 @@ from distributed.protocol.serialize import Serialized, deserialize
 from distributed.utils import sync
 from distributed.worker import get_worker
 
+from daskps._core import wire
 from daskps.errors import ClosedError, PSUnavailableError
+from daskps.ps import pipeline
 from daskps.ps.local import LocalTransport
 
 # This process, as a holder of server-side objects (see ParameterServer.acquire).
@@ -156,8 +158,11 @@ class _DaskTransport:
             # a parameter server that is gone should be reported sooner.
             comm = await self.pool.connect(server.address, timeout=connect_timeout())
             try:
+                # Run on the worker's event loop (no thread hop): every operation goes this way,
+                # so they still run one at a time.
                 response = await send_recv(comm=comm, op="actor_execute", actor=server.actor_key,
-                                           function="execute", args=[to_serialize(ops)], kwargs={})
+                                           function="handle", args=[to_serialize(wire.pack(ops))],
+                                           kwargs={"separate_thread": False})
             finally:
                 self.pool.reuse(server.address, comm)
         except OSError as exc:
@@ -168,7 +173,7 @@ class _DaskTransport:
                                            "the strategy's servers were released") from exc
             raise
         if response["status"] == "OK":
-            return _result(response["result"])
+            return wire.unpack(_result(response["result"]))
         raise _result(response["exception"])
 
     def release_later(self, server: ServerRef, key: str, holder: str) -> None:
@@ -250,19 +255,51 @@ def _owner(targets: Iterable[Any]) -> Any:
     return found
 
 
-def _run(calls: Sequence[tuple[ServerRef, str, tuple]], owner: Any = None) -> list:
-    """Run ``(server, operation, args)`` calls: one message per server, all at once; results in order."""
-    batches: dict[ServerRef, Ops] = {}
+def _run(calls: Sequence[tuple[ServerRef, str, tuple]], owner: Any = None, flush: bool = False) -> list:
+    """Run ``(server, operation, args)`` calls: one message per server, all at once; results in order.
+
+    Pushes held back by a pipeline for these servers (for every server, with
+    ``flush``) go first in their messages.
+    """
+    pipe = pipeline.current()
+    held = {}
+    if pipe is not None and pipe.pending:
+        held = pipe.take(list(pipe.pending) if flush else {s for s, _, _ in calls})
+    batches: dict[ServerRef, Ops] = {s: list(ops) for s, ops in held.items()}
     where = []
     for server, op, args in calls:
         ops = batches.setdefault(server, [])
         where.append((server, len(ops)))
         ops.append((op, args))
     local = batches.pop(LOCAL, None)
-    results = transport_here(owner).run(batches) if batches else {}
+    try:
+        results = transport_here(owner).run(batches) if batches else {}
+    except BaseException as exc:
+        if held:
+            pipe.acknowledged(held, exc)  # type: ignore[union-attr]
+        raise
+    if held:
+        pipe.acknowledged(held)  # type: ignore[union-attr]
     if local is not None:
         results[LOCAL] = _LOCAL.run(local)
     return [results[s][i] for s, i in where]
+
+
+def _push(calls: list[tuple[ServerRef, str, tuple]], owner: Any) -> None:
+    """Updates: held back in a pipeline if one runs here (and none goes to this process), else sent now."""
+    pipe = pipeline.current()
+    if pipe is None or pipe.function is None or any(s.is_local for s, _, _ in calls):
+        _run(calls, owner)
+        return
+    for server, op, args in calls:
+        pipe.defer(server, op, args)
+
+
+def flush() -> None:
+    """Send every push a pipeline holds back here (one message per server) and wait for them."""
+    pipe = pipeline.current()
+    if pipe is not None and pipe.pending:
+        _run([], flush=True)
 
 
 def _by_server(targets: Sequence[Any]) -> dict[ServerRef, list[int]]:
@@ -272,13 +309,20 @@ def _by_server(targets: Sequence[Any]) -> dict[ServerRef, list[int]]:
     return groups
 
 
-def _each_server(op: str, targets: list[Any], args_of: Any, extra: Any = None) -> tuple[dict, list]:
-    """One ``op`` per server among ``targets`` (and ``extra``'s), its args from the positions there."""
+def _each_server(op: str, targets: list[Any], args_of: Any, extra: Any = None, push: bool = False) -> tuple[dict, list]:
+    """One ``op`` per server among ``targets`` (and ``extra``'s), its args from the positions there.
+
+    A ``push`` (an update with no result) may be held back by a pipeline (:mod:`daskps.ps.pipeline`).
+    """
     owner = _owner(targets + ([extra] if extra is not None else []))
     groups = _by_server(targets)
     if extra is not None:
         groups.setdefault(extra.server, [])
-    return groups, _run([(server, op, args_of(server, idx)) for server, idx in groups.items()], owner)
+    calls = [(server, op, args_of(server, idx)) for server, idx in groups.items()]
+    if push:
+        _push(calls, owner)
+        return groups, []
+    return groups, _run(calls, owner)
 
 
 # -- operations -------------------------------------------------------------------------
@@ -299,7 +343,7 @@ def read(items: Sequence[tuple[Any, Any]]) -> list:
 def update(items: Sequence[tuple[Any, str, Any]]) -> None:
     """Apply checked ``(target, op, payload)`` updates: one call per server, all at once."""
     _each_server("update", [t for t, _, _ in items],
-                 lambda server, idx: ([(items[i][0].key, items[i][1], items[i][2]) for i in idx],))
+                 lambda server, idx: ([(items[i][0].key, items[i][1], items[i][2]) for i in idx],), push=True)
 
 
 @dataclasses.dataclass
@@ -366,7 +410,7 @@ def apply_gradients(opt_key: str, items: Sequence[tuple[Any, str, Any]], counter
         bump = counter.key if counter is not None and server == counter.server else None
         return (opt_key, [(items[i][0].key, items[i][1], items[i][2]) for i in idx], bump)
 
-    _each_server("apply_gradients", [t for t, _, _ in items], args, counter)
+    _each_server("apply_gradients", [t for t, _, _ in items], args, counter, push=True)
 
 
 def put_blob(server: ServerRef, key: str, blob: bytes, owner: Any = None) -> None:
