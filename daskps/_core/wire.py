@@ -3,10 +3,10 @@
 A message is ``[header, *buffers]``: ``header`` is the pickle of the
 payload, with small arrays inside it, and every buffer of at least
 ``OUT_OF_BAND`` bytes (a large array's data) travels as a separate frame,
-without a copy. Dask sends bytes and buffers as they are, so one message
-costs one pickle, however many arrays it holds (Dask's own serialization
-walks nested lists and makes a frame per array: some ten times slower for
-a step of 32 small variables).
+without a copy. One message costs one pickle, however many arrays it holds
+(Dask's own serialization walks nested lists and makes a frame per array:
+some ten times slower for a step of 32 small variables). It is also Dask's
+own "pickle" layout, so the protocol hands Dask these frames ready-made.
 
 >>> msg = pack([("read", (["k"],)), np.arange(3.0), np.zeros(20_000)])
 >>> len(msg), unpack(msg)[1]
@@ -18,6 +18,7 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
+import cloudpickle
 import numpy as np  # noqa: F401  (the doctest)
 
 OUT_OF_BAND = 64 << 10
@@ -34,7 +35,11 @@ def pack(obj: Any) -> list:
         buffers.append(raw)
         return False
 
-    return [pickle.dumps(obj, protocol=5, buffer_callback=keep_apart), *buffers]
+    try:
+        return [pickle.dumps(obj, protocol=5, buffer_callback=keep_apart), *buffers]
+    except (pickle.PicklingError, AttributeError, TypeError):  # a lambda (an initializer): by value
+        buffers.clear()
+        return [cloudpickle.dumps(obj, protocol=5, buffer_callback=keep_apart), *buffers]
 
 
 def unpack(message: list) -> Any:

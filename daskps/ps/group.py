@@ -17,8 +17,7 @@ import weakref
 from typing import Any
 
 from daskps.errors import ClosedError
-from daskps.ps.protocol import ServerRef
-from daskps.ps.server import ParameterServer
+from daskps.ps.protocol import DaskParameterServer, ServerRef
 
 SERVER_KEY_PREFIX = "daskps-ps-"
 _KEY = re.compile(rf"{SERVER_KEY_PREFIX}(\d+)-([0-9a-f]+)$")
@@ -60,7 +59,7 @@ class ServerGroup:
         self.token = uuid.uuid4().hex[:16]
         self.closed = False
         self._futures = [
-            client.submit(ParameterServer, i, actor=True, workers=[addr], allow_other_workers=False,
+            client.submit(DaskParameterServer, i, actor=True, workers=[addr], allow_other_workers=False,
                           pure=False, key=server_key(i, self.token))
             for i, (_, addr) in enumerate(ps_workers)
         ]

@@ -29,7 +29,6 @@ import dask.config
 from dask.utils import parse_timedelta
 from distributed import default_client
 from distributed.core import send_recv
-from distributed.protocol import to_serialize
 from distributed.protocol.serialize import Serialized, deserialize
 from distributed.utils import sync
 from distributed.worker import get_worker
@@ -38,6 +37,7 @@ from daskps._core import wire
 from daskps.errors import ClosedError, PSUnavailableError
 from daskps.ps import pipeline
 from daskps.ps.local import LocalTransport
+from daskps.ps.server import ParameterServer
 
 # This process, as a holder of server-side objects (see ParameterServer.acquire).
 HOLDER = uuid.uuid4().hex
@@ -109,6 +109,19 @@ def _result(value: Any) -> Any:
     return deserialize(value.header, value.frames) if isinstance(value, Serialized) else value
 
 
+def serialized(obj: Any) -> Serialized:
+    """``obj`` ready for Dask's comms: our wire format is Dask's "pickle" layout, so Dask only frames it."""
+    frames = wire.pack(obj)
+    return Serialized({"serializer": "pickle", "writeable": (True,) * (len(frames) - 1)}, frames)
+
+
+class DaskParameterServer(ParameterServer):
+    """The actor Dask hosts: a ParameterServer whose answers are ready for Dask's comms."""
+
+    def handle(self, ops: Ops) -> Serialized:
+        return serialized(self.execute(ops))
+
+
 # -- transports -------------------------------------------------------------------------
 class _DaskTransport:
     """Sends messages over one process's Dask connection pool."""
@@ -161,7 +174,7 @@ class _DaskTransport:
                 # Run on the worker's event loop (no thread hop): every operation goes this way,
                 # so they still run one at a time.
                 response = await send_recv(comm=comm, op="actor_execute", actor=server.actor_key,
-                                           function="handle", args=[to_serialize(wire.pack(ops))],
+                                           function="handle", args=[serialized(ops)],
                                            kwargs={"separate_thread": False})
             finally:
                 self.pool.reuse(server.address, comm)
@@ -173,7 +186,7 @@ class _DaskTransport:
                                            "the strategy's servers were released") from exc
             raise
         if response["status"] == "OK":
-            return wire.unpack(_result(response["result"]))
+            return _result(response["result"])
         raise _result(response["exception"])
 
     def release_later(self, server: ServerRef, key: str, holder: str) -> None:

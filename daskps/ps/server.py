@@ -29,7 +29,7 @@ from typing import Any
 import fsspec
 import numpy as np
 
-from daskps._core import ckpt_io, transforms, wire
+from daskps._core import ckpt_io, transforms
 from daskps._core.arrays import build_part, materialize
 from daskps._core.updates import apply_update, check_gradient_of_kind, check_update
 
@@ -84,10 +84,6 @@ class ParameterServer:
             self.calls[op] += 1
             results.append(getattr(self, op)(*args))
         return results
-
-    def handle(self, message: list) -> list:
-        """:meth:`execute` for a message in the wire format (:mod:`daskps._core.wire`), answered the same way."""
-        return wire.pack(self.execute(wire.unpack(message)))
 
     def _where(self) -> str:
         return "this process" if self.task_id is None else f"ps task {self.task_id}"
