@@ -55,7 +55,7 @@ class SGDTransform(NamedTuple):
         t = param.dtype.type
         lr, mu = t(self.learning_rate), t(self.momentum)
         if state.momentum is None:
-            return -(grad * lr), SGDState(state.count + 1)
+            return grad * -lr, SGDState(state.count + 1)  # (equal to -(grad * lr): one array less)
         m = state.momentum * mu - grad * lr
         return (m * mu - grad * lr if self.nesterov else m), SGDState(state.count + 1, m)
 

@@ -2,8 +2,8 @@
 
 The coordinator packs several scheduled functions into one Dask task (see
 :mod:`daskps.coordinator.coordinator`). On the trainer, :func:`run_batch`
-runs them in schedule order and, as each one finishes, logs an event
-``[batch_key, function_id, status, payload]`` to the coordinator's topic:
+runs them in schedule order and, as they finish, logs events
+``[batch_key, [[function_id, status, payload], ...]]`` to the coordinator's topic:
 the result (pickled, when small) or the error reaches the coordinator at
 once, through the scheduler. The scheduler plugin notes which functions of a
 batch have reported; if the trainer dies and Dask runs the batch again
@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import pickle
+import time
 import traceback
 from typing import Any
 
@@ -37,6 +38,8 @@ from daskps.ps import pipeline, protocol, refs
 from daskps.ps.plugin import REPORTED_HANDLER
 
 OK, BIG, ERROR = "ok", "big", "error"
+# Functions finishing this close together are reported in one event.
+REPORT_EVERY = 0.005
 # Results up to this size ride in the event; bigger ones come back with the task.
 INLINE_BYTES = 64 << 10
 
@@ -52,9 +55,8 @@ def run_batch(strategy_blob: bytes, topic: str, batch_key: str,
     strategy = pickle.loads(strategy_blob)
     reported = set(sync(worker.loop, getattr(worker.scheduler, REPORTED_HANDLER), key=batch_key))
     big: dict[int, Any] = {}
-    finished: collections.deque[list] = collections.deque()
     with pipeline.pipelined() as pipe:
-        report = lambda: _report_settled(worker, topic, batch_key, pipe, finished)  # noqa: E731
+        reporter = _Reporter(worker, topic, batch_key, pipe)
         for cid, blob in closures:
             if cid in reported:
                 continue  # ran before this task was moved here, and its result reached the coordinator
@@ -65,23 +67,44 @@ def run_batch(strategy_blob: bytes, topic: str, batch_key: str,
             pipe.function = None
             if status == BIG:
                 big[cid] = value
-            finished.append([cid, status, payload])
-            report()
+            reporter.finished(cid, status, payload)
             if status == ERROR:
                 break
         with contextlib.suppress(Exception):  # a failed push is reported as its function's error
             protocol.flush()
-        report()
+        reporter.send(final=True)
     return big
 
 
-def _report_settled(worker: Any, topic: str, batch_key: str, pipe: Any, finished: collections.deque) -> None:
-    """Report, in order, the finished functions whose pushes have all been applied."""
-    while finished and pipe.settled(finished[0][0]):
-        cid, status, payload = finished.popleft()
-        if cid in pipe.errors:
-            status, payload = ERROR, _pickled_error(pipe.errors[cid])
-        worker.log_event(topic, [batch_key, cid, status, payload])
+class _Reporter:
+    """Reports finished functions in order, once their pushes are applied, a few per event.
+
+    Functions that finish within ``REPORT_EVERY`` seconds of each other share
+    one event (one message through the scheduler instead of one each); an
+    error, and the end of the batch, go out at once.
+    """
+
+    def __init__(self, worker: Any, topic: str, batch_key: str, pipe: Any):
+        self.worker, self.topic, self.batch_key, self.pipe = worker, topic, batch_key, pipe
+        self.waiting: collections.deque[list] = collections.deque()  # finished, pushes not yet applied
+        self.outbox: list[list] = []
+        self.last = time.monotonic()
+
+    def finished(self, cid: int, status: str, payload: bytes | None) -> None:
+        self.waiting.append([cid, status, payload])
+        self.send(final=status == ERROR)
+
+    def send(self, final: bool = False) -> None:
+        while self.waiting and self.pipe.settled(self.waiting[0][0]):
+            cid, status, payload = self.waiting.popleft()
+            if cid in self.pipe.errors:
+                status, payload = ERROR, _pickled_error(self.pipe.errors[cid])
+            self.outbox.append([cid, status, payload])
+            final = final or status == ERROR
+        now = time.monotonic()
+        if self.outbox and (final or now - self.last >= REPORT_EVERY):
+            self.worker.log_event(self.topic, [self.batch_key, self.outbox])
+            self.outbox, self.last = [], now
 
 
 def _cancelled(worker: Any, key: str) -> bool:

@@ -229,17 +229,18 @@ class ClusterCoordinator:
                 asyncio.ensure_future(self._watch(key, future))
 
     def _on_event(self, event: tuple[float, Any]) -> None:
-        """On the client's event loop: a function finished on a trainer."""
-        _, (batch_key, cid, status, payload) = event
+        """On the client's event loop: functions finished on a trainer."""
+        _, (batch_key, finished) = event
         with self._cond:
-            closure = self._pending.get(cid)
-            if closure is None or closure.remote._state != PENDING or status == BIG:
-                return  # cancelled meanwhile, or its (big) result comes with the batch
-            if status == ERROR:
-                self._fail(closure, load_error(payload))
-            else:
-                closure.remote._finish(payload)
-                self._done(closure)
+            for cid, status, payload in finished:
+                closure = self._pending.get(cid)
+                if closure is None or closure.remote._state != PENDING or status == BIG:
+                    continue  # cancelled meanwhile, or its (big) result comes with the batch
+                if status == ERROR:
+                    self._fail(closure, load_error(payload))
+                else:
+                    closure.remote._finish(payload)
+                    self._done(closure)
 
     def _done(self, closure: _Closure) -> None:
         self._pending.pop(closure.id, None)

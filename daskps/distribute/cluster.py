@@ -11,6 +11,7 @@ import logging
 import re
 from typing import Any
 
+import dask.config
 from distributed import Client, Nanny, Scheduler, SpecCluster, Worker
 
 from daskps.ui.dashboard import register_page
@@ -91,13 +92,30 @@ class LocalPSCluster(SpecCluster):
         }
         kwargs.setdefault("silence_logs", "error")
         register_page()  # the parameter-server page, before the scheduler starts
-        super().__init__(workers=workers, scheduler=scheduler, worker=spec("worker"), **kwargs)
+        with dask.config.set(_unset(self.quiet_config)):
+            super().__init__(workers=workers, scheduler=scheduler, worker=spec("worker"), **kwargs)
+
+    # Dask's monitors (loop health ticks, resource sampling, memory polling) cost a quarter of a
+    # core on an idle 2 ps + 2 trainer cluster with Dask's defaults, and half that with these.
+    # They apply where you have not set the key yourself.
+    quiet_config = {
+        "distributed.admin.tick.interval": "200ms",
+        "distributed.admin.system-monitor.interval": "2s",
+        "distributed.worker.memory.monitor-interval": "1s",
+    }
 
     def __repr__(self) -> str:
         return (
             f"LocalPSCluster({self.scheduler_address!r}, num_ps={self.num_ps}, "
             f"num_workers={self.num_workers})"
         )
+
+
+def _unset(settings: dict[str, Any]) -> dict[str, Any]:
+    """The ``settings`` whose keys still have Dask's default value."""
+    defaults = dask.config.merge(*dask.config.defaults)
+    return {key: value for key, value in settings.items()
+            if dask.config.get(key, None) == dask.config.get(key, None, config=defaults)}
 
 
 def _natural_key(text: str) -> list[Any]:

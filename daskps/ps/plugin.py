@@ -69,14 +69,17 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
                 asyncio.ensure_future(_run_on_workers(self.scheduler, list(todo.values())))
 
     def log_event(self, topic: str, msg: Any) -> None:
-        """A scheduled function finished: ``[batch_key, function_id, status, payload]``."""
+        """Scheduled functions finished: ``[batch_key, [[function_id, status, payload], ...]]``."""
         if not topic.startswith(BATCH_TOPIC_PREFIX):
             return
-        batch_key, function_id, status = msg[0], msg[1], msg[2]
-        self.reported.setdefault(batch_key, set()).add(function_id)
+        batch_key, finished = msg
+        reported = self.reported.setdefault(batch_key, set())
         ts = self.scheduler.tasks.get(batch_key) if self.scheduler is not None else None
-        if ts is not None and ts.processing_on is not None:
-            (self.failed if status == "error" else self.completed)[ts.processing_on.address] += 1
+        where = ts.processing_on.address if ts is not None and ts.processing_on is not None else None
+        for function_id, status, _ in finished:
+            reported.add(function_id)
+            if where is not None:
+                (self.failed if status == "error" else self.completed)[where] += 1
 
     def batch_reported(self, key: str) -> list[int]:
         """The functions of batch ``key`` that have reported (asked by a batch that runs again)."""
