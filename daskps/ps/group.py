@@ -63,9 +63,9 @@ class ServerGroup:
                           pure=False, key=server_key(i, self.token))
             for i, (_, addr) in enumerate(ps_workers)
         ]
-        for fut in self._futures:
-            fut.result()
-        self.servers = [ServerRef(addr, str(fut.key), i) for i, ((_, addr), fut) in enumerate(zip(ps_workers, self._futures))]
+        channels = [fut.result().channel for fut in self._futures]
+        self.servers = [ServerRef(addr, str(fut.key), i, ch)
+                        for i, ((_, addr), fut, ch) in enumerate(zip(ps_workers, self._futures, channels))]
         _GROUPS[self.token] = self
 
     @property

@@ -35,7 +35,7 @@ from distributed.worker import get_worker
 
 from daskps._core import wire
 from daskps.errors import ClosedError, PSUnavailableError
-from daskps.ps import pipeline
+from daskps.ps import channel, pipeline
 from daskps.ps.local import LocalTransport
 from daskps.ps.server import ParameterServer
 
@@ -57,14 +57,16 @@ def connect_timeout() -> float:
 
 
 class ServerRef(NamedTuple):
-    """Where one parameter server lives: worker address, actor key, task index.
+    """Where one parameter server lives: worker address, actor key, task index, channel.
 
     A tuple: it is a dictionary key on every call, and travels with every handle.
+    ``channel`` is the ``host:port`` of its direct channel (:mod:`daskps.ps.channel`), if any.
     """
 
     address: str
     actor_key: str
     task_id: int | None
+    channel: str | None = None
 
     @property
     def is_local(self) -> bool:
@@ -116,7 +118,21 @@ def serialized(obj: Any) -> Serialized:
 
 
 class DaskParameterServer(ParameterServer):
-    """The actor Dask hosts: a ParameterServer whose answers are ready for Dask's comms."""
+    """The actor Dask hosts: a ParameterServer whose answers are ready for Dask's comms.
+
+    On a worker that talks plain TCP it also opens a direct channel (``.channel``).
+    """
+
+    channel: str | None = None  # (on the class too: Dask's actor handles look there first)
+
+    def __init__(self, task_id: int | None):
+        super().__init__(task_id)
+        worker = get_worker()
+        scheme, _, rest = worker.address.partition("://")
+        if scheme == "tcp":
+            host = rest.rsplit(":", 1)[0].strip("[]")
+            self.channel, close = channel.open_channel(self, host, worker.loop.asyncio_loop)  # type: ignore[attr-defined]
+            weakref.finalize(self, close)
 
     def handle(self, ops: Ops) -> Serialized:
         return serialized(self.execute(ops))
@@ -286,7 +302,10 @@ def _run(calls: Sequence[tuple[ServerRef, str, tuple]], owner: Any = None, flush
         ops.append((op, args))
     local = batches.pop(LOCAL, None)
     try:
-        results = transport_here(owner).run(batches) if batches else {}
+        results = _over_channels({s: ops for s, ops in batches.items() if s.channel}, owner)
+        rest = {s: ops for s, ops in batches.items() if not s.channel}
+        if rest:
+            results.update(transport_here(owner).run(rest))
     except BaseException as exc:
         if held:
             pipe.acknowledged(held, exc)  # type: ignore[union-attr]
@@ -296,6 +315,70 @@ def _run(calls: Sequence[tuple[ServerRef, str, tuple]], owner: Any = None, flush
     if local is not None:
         results[LOCAL] = _LOCAL.run(local)
     return [results[s][i] for s, i in where]
+
+
+_CHANNELS: dict[str, channel.Channel] = {}
+
+
+def _over_channels(batches: dict[ServerRef, Ops], owner: Any) -> dict[ServerRef, list]:
+    """Send every batch on its server's channel, then read every answer (so all servers work at once)."""
+    if not batches:
+        return {}
+    if owner is not None:
+        _check_client(owner)
+    servers = sorted(batches, key=lambda s: s.channel or "")
+    chans = [_channel(s.channel) for s in servers if s.channel]
+    for ch in chans:
+        ch.lock.acquire()
+    try:
+        results, errors = {}, {}
+        for server, ch in zip(servers, chans):
+            try:
+                ch.send(batches[server])
+            except OSError as exc:
+                errors[server] = _lost(server, owner, exc)
+        for server, ch in zip(servers, chans):
+            if server in errors:
+                continue
+            try:
+                results[server] = ch.receive()  # every answer is read, so each channel stays in step
+            except OSError as exc:
+                errors[server] = _lost(server, owner, exc)
+            except Exception as exc:
+                errors[server] = exc
+        if errors:
+            raise next(iter(errors.values()))
+        return results
+    finally:
+        for ch in chans:
+            ch.lock.release()
+
+
+def _channel(address: str) -> channel.Channel:
+    found = _CHANNELS.get(address)
+    if found is None:
+        found = _CHANNELS.setdefault(address, channel.Channel(address, connect_timeout()))
+    return found
+
+
+def _check_client(owner: Any) -> None:
+    client = getattr(owner, "client", None)
+    if client is not None and client.status in ("closing", "closed"):
+        raise ClosedError(
+            f"the Dask client {client!r} was closed (client.close()); daskps reaches the "
+            "parameter servers through it, so make a new client and strategy"
+        )
+
+
+def _lost(server: ServerRef, owner: Any, exc: OSError) -> BaseException:
+    """The channel failed: ask through Dask what happened to the server, for an accurate error."""
+    try:
+        transport_here(owner).run({server: [("stats", ())]})
+    except PSUnavailableError as reason:
+        return reason
+    except Exception:
+        pass
+    return _unavailable(server, "dropped its channel", exc)
 
 
 def _push(calls: list[tuple[ServerRef, str, tuple]], owner: Any) -> None:

@@ -71,12 +71,19 @@ class ParameterServer:
         self._blobs: dict[str, bytes] = {}
         self._staged: dict[str, list] = {}  # restores read but not yet committed
         self.reads = self.bytes_read = self.updates = self.messages = 0
+        self._shared_reads = False
         self.calls: Counter[str] = Counter()
         self.started = time.time()
 
-    def execute(self, ops: Sequence[tuple[str, tuple]]) -> list[Any]:
-        """Run ``(operation, args)`` pairs in order; return their results."""
+    def execute(self, ops: Sequence[tuple[str, tuple]], shared_reads: bool = False) -> list[Any]:
+        """Run ``(operation, args)`` pairs in order; return their results.
+
+        ``shared_reads``: whole-value reads may return the stored arrays
+        themselves, for a caller that copies them before any other operation
+        can run (the channel does).
+        """
         self.messages += 1
+        self._shared_reads = shared_reads
         results = []
         for op, args in ops:
             if op not in OPS:
@@ -195,7 +202,7 @@ class ParameterServer:
         """
         arrays = [self._get(k) for k in keys]
         if indices is None:
-            out = [a.copy() for a in arrays]
+            out = arrays if self._shared_reads else [a.copy() for a in arrays]
         else:
             out = [np.array(a[index]) for a, index in zip(arrays, indices, strict=True)]
         self.reads += len(out)
