@@ -5,9 +5,6 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from distributed import wait
-
-import daskps as dps
 from _workloads import (
     BATCH,
     DIM,
@@ -25,6 +22,9 @@ from _workloads import (
     small_grads,
     small_init,
 )
+from distributed import wait
+
+import daskps as dps
 
 
 def _timed(coordinator, fn, args, steps: int, warmup: int) -> float:
@@ -81,8 +81,8 @@ def _daskps_ctr(strategy, coordinator, steps: int) -> float:
 
     def step(it):
         ids, y = next(it)
-        rows = dps.embedding_lookup(table, ids)
-        loss, row_grads, gw = ctr_grads(rows, w.numpy(), ids, y)
+        rows, w_now = dps.read_values([(table, ids), w])  # one message per server
+        loss, row_grads, gw = ctr_grads(rows, w_now, ids, y)
         opt.apply_gradients([(dps.IndexedSlices(row_grads, ids.ravel()), table), (gw, w)])
         return loss
 

@@ -14,7 +14,6 @@ import os
 import time
 
 import numpy as np
-
 from _workloads import (
     BATCH,
     DIM,

@@ -12,8 +12,18 @@ import socket
 import time
 
 import numpy as np
-
-from _workloads import BATCH, DIM, FIELDS, LR, SMALL_VARS, VOCAB, ctr_batches, dense_batches, dense_init, small_init
+from _workloads import (
+    BATCH,
+    DIM,
+    FIELDS,
+    LR,
+    SMALL_VARS,
+    VOCAB,
+    ctr_batches,
+    dense_batches,
+    dense_init,
+    small_init,
+)
 
 
 def _free_port() -> int:

@@ -18,6 +18,7 @@ through Dask's comms there, encrypted.
 from __future__ import annotations
 
 import asyncio
+import select
 import socket
 import struct
 import threading
@@ -37,17 +38,29 @@ def open_channel(server: Any, host: str, loop: asyncio.AbstractEventLoop) -> tup
     Connections hold the server weakly: once Dask drops the actor, they close.
     """
     ref = weakref.ref(server)
+    connections: weakref.WeakSet[_Serving] = weakref.WeakSet()
+
+    def serving() -> _Serving:
+        connection = _Serving(ref)
+        connections.add(connection)
+        return connection
 
     async def start() -> asyncio.Server:
-        return await loop.create_server(lambda: _Serving(ref), host, 0)
+        return await loop.create_server(serving, host, 0)
 
     listener = asyncio.run_coroutine_threadsafe(start(), loop).result()
     port = listener.sockets[0].getsockname()[1]
 
+    def close_all() -> None:
+        listener.close()
+        for connection in list(connections):
+            if connection.transport is not None:
+                connection.transport.close()
+
     def close() -> None:
         try:
-            loop.call_soon_threadsafe(listener.close)
-        except RuntimeError:  # the loop is closed: so is the listener
+            loop.call_soon_threadsafe(close_all)
+        except RuntimeError:  # the loop is closed: so is everything on it
             pass
 
     return f"{host}:{port}", close
@@ -124,7 +137,10 @@ def _encode(frames: list) -> bytes:
 
 # -- the caller's end ----------------------------------------------------------------------------
 class Channel:
-    """This process's connection to one server; used by one thread at a time (``lock``)."""
+    """This process's connection to one server; used by one thread at a time (``lock``).
+
+    A channel whose server has gone notices at its next use (or at :func:`prune`).
+    """
 
     def __init__(self, address: str, timeout: float):
         self.address = address
@@ -171,6 +187,29 @@ class Channel:
                 self._sock.close()
             finally:
                 self._sock = None
+
+
+    def dead(self) -> bool:
+        """Whether the server has closed this connection (checked without waiting)."""
+        if self._sock is None:
+            return True
+        if not self.lock.acquire(blocking=False):
+            return False  # in use
+        try:
+            readable, _, _ = select.select([self._sock], [], [], 0)
+            return bool(readable) and not self._sock.recv(1, socket.MSG_PEEK)
+        except OSError:
+            return True
+        finally:
+            self.lock.release()
+
+
+def prune(channels: dict[str, Channel]) -> None:
+    """Close and forget the channels whose servers have gone (they would hold file descriptors)."""
+    for address, ch in list(channels.items()):
+        if ch.dead():
+            ch.close()
+            channels.pop(address, None)
 
 
 def _send_all(sock: socket.socket, parts: list[memoryview]) -> None:

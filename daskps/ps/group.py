@@ -17,6 +17,7 @@ import weakref
 from typing import Any
 
 from daskps.errors import ClosedError
+from daskps.ps import protocol
 from daskps.ps.protocol import DaskParameterServer, ServerRef
 
 SERVER_KEY_PREFIX = "daskps-ps-"
@@ -67,6 +68,7 @@ class ServerGroup:
         self.servers = [ServerRef(addr, str(fut.key), i, ch)
                         for i, ((_, addr), fut, ch) in enumerate(zip(ps_workers, self._futures, channels))]
         _GROUPS[self.token] = self
+        weakref.finalize(self, protocol.forget_channels, list(self.servers))
 
     @property
     def futures(self) -> list[Any]:
@@ -86,6 +88,7 @@ class ServerGroup:
             return
         self.closed = True
         futures, self._futures = self._futures, []
+        protocol.forget_channels(self.servers)
         for fut in futures:
             try:
                 fut.release()

@@ -357,8 +357,18 @@ def _over_channels(batches: dict[ServerRef, Ops], owner: Any) -> dict[ServerRef,
 def _channel(address: str) -> channel.Channel:
     found = _CHANNELS.get(address)
     if found is None:
+        channel.prune(_CHANNELS)  # a new server: a good moment to drop channels to servers gone
         found = _CHANNELS.setdefault(address, channel.Channel(address, connect_timeout()))
     return found
+
+
+def forget_channels(servers: Sequence[ServerRef]) -> None:
+    """Close this process's channels to ``servers`` (their group was released)."""
+    for server in servers:
+        found = _CHANNELS.pop(server.channel, None) if server.channel else None
+        if found is not None:
+            with found.lock:
+                found.close()
 
 
 def _check_client(owner: Any) -> None:

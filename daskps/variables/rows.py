@@ -13,7 +13,7 @@ once, so they work for any row layout. Shards are anything with ``_ref``,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,7 +22,7 @@ from daskps._core.updates import check_indices
 from daskps.ps import protocol
 from daskps.variables.arraylike import ArrayLike
 
-__all__ = ["clip_rows", "gather_rows", "getitem", "split_rows"]
+__all__ = ["clip_rows", "gather_rows", "getitem", "plan_rows", "split_rows"]
 
 
 def _fetch(items: list[tuple[Any, Any]]) -> list[np.ndarray]:
@@ -35,31 +35,42 @@ def split_rows(offsets: Sequence[int], idx: np.ndarray, values: np.ndarray) -> l
     return [(idx[owner == s] - offsets[s], values[owner == s]) for s in range(len(offsets) - 1)]
 
 
-def _unique_rows(variables: Sequence[Any], offsets: Sequence[int], rows: np.ndarray) -> np.ndarray:
-    """Rows ``rows`` (sorted, unique, in range) of the whole, one call per server."""
-    owner = np.searchsorted(offsets, rows, side="right") - 1
+def plan_rows(
+    variables: Sequence[Any], offsets: Sequence[int], ids: Any, name: str, one_d: bool = False
+) -> tuple[list[tuple[Any, Any]], Callable[[list], np.ndarray]]:
+    """What to read for rows ``ids`` (any shape) of the variable made of ``variables``, and how to assemble it.
+
+    Returns ``(items, assemble)``: ``items`` are ``(shard, local rows)`` to
+    read (each distinct row once), and ``assemble(values)`` turns what was
+    read into the rows, shaped ``ids.shape + row shape``.
+    """
+    idx = check_indices(ids, offsets[-1], name, "indices", one_d=one_d)
+    uniq, inverse = np.unique(idx.ravel(), return_inverse=True)
+    owner = np.searchsorted(offsets, uniq, side="right") - 1
     bounds = np.searchsorted(owner, np.arange(len(variables) + 1))
-    items = [
-        (v, rows[bounds[s] : bounds[s + 1]] - offsets[s])
-        for s, v in enumerate(variables)
-        if bounds[s + 1] > bounds[s]
-    ]
-    if not items:
-        return np.empty((0,) + variables[0].shape[1:], variables[0].dtype)
-    return np.concatenate(_fetch(items), axis=0)
+    items = [(v, uniq[bounds[s] : bounds[s + 1]] - offsets[s]) for s, v in enumerate(variables)
+             if bounds[s + 1] > bounds[s]]
+
+    def assemble(values: list) -> np.ndarray:
+        found = np.concatenate(values, axis=0) if values else np.empty((0,) + variables[0].shape[1:],
+                                                                        variables[0].dtype)
+        return found[inverse.ravel()].reshape(idx.shape + found.shape[1:])
+
+    return items, assemble
 
 
 def gather_rows(
     variables: Sequence[Any], offsets: Sequence[int], ids: Any, name: str, one_d: bool = False
 ) -> np.ndarray:
-    """Rows ``ids`` (any shape) of the variable made of ``variables``.
+    """Rows ``ids`` (any shape) of the variable made of ``variables``; each distinct row travels once."""
+    items, assemble = plan_rows(variables, offsets, ids, name, one_d)
+    return assemble(_fetch(items))
 
-    Each distinct row travels once, whatever the number of repeats.
-    """
-    idx = check_indices(ids, offsets[-1], name, "indices", one_d=one_d)
-    uniq, inverse = np.unique(idx.ravel(), return_inverse=True)
-    rows = _unique_rows(variables, offsets, uniq)
-    return rows[inverse.ravel()].reshape(idx.shape + rows.shape[1:])
+
+def _unique_rows(variables: Sequence[Any], offsets: Sequence[int], rows: np.ndarray) -> np.ndarray:
+    """Rows ``rows`` (sorted, unique, in range) of the whole, one call per server."""
+    items, assemble = plan_rows(variables, offsets, rows, "variable")
+    return assemble(_fetch(items))
 
 
 def clip_rows(rows: np.ndarray, id_rank: int, max_norm: float) -> np.ndarray:

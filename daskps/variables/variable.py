@@ -322,11 +322,14 @@ def shards_of(v: Any, arg: str = "variables") -> list[Variable]:
 
 
 def read_values(variables: Iterable[Any]) -> list[np.ndarray]:
-    """Read many variables with one round trip per parameter server.
+    """Read many variables, and rows of tables, with one round trip per parameter server.
 
     Parameters
     ----------
-    variables : iterable of Variable (or ShardedVariable)
+    variables : iterable of Variable, ShardedVariable, or ``(table, ids)``
+        A ``(table, ids)`` pair reads the rows ``ids`` (any shape) of a
+        Variable or ShardedVariable, as ``dps.embedding_lookup(table, ids)``
+        does, in the same messages as everything else.
 
     Returns
     -------
@@ -335,15 +338,26 @@ def read_values(variables: Iterable[Any]) -> list[np.ndarray]:
     Examples
     --------
     >>> import daskps as dps
-    >>> a, b = dps.Variable(1.0), dps.Variable([2, 3])
-    >>> dps.read_values([a, b])
-    [array(1., dtype=float32), array([2, 3], dtype=int32)]
+    >>> a, b = dps.Variable(1.0), dps.Variable([[2, 3], [4, 5]])
+    >>> dps.read_values([a, b, (b, [1, 1])])
+    [array(1., dtype=float32), array([[2, 3],
+           [4, 5]], dtype=int32), array([[4, 5],
+           [4, 5]], dtype=int32)]
     """
-    groups = [shards_of(v) for v in variables]
-    values = protocol.read([(leaf._ref, None) for group in groups for leaf in group])
+    plans = [_plan(v) for v in variables]
+    values = protocol.read([(leaf._ref, index) for items, _ in plans for leaf, index in items])
     out, i = [], 0
-    for group in groups:
-        part_values = values[i : i + len(group)]
-        i += len(group)
-        out.append(part_values[0] if len(group) == 1 else np.concatenate(part_values, axis=0))
+    for items, assemble in plans:
+        out.append(assemble(values[i : i + len(items)]))
+        i += len(items)
     return out
+
+
+def _plan(v: Any) -> tuple[list[tuple[Variable, Any]], Any]:
+    if isinstance(v, tuple) and len(v) == 2:
+        table, ids = v
+        shards = shards_of(table)
+        offsets = getattr(table, "_offsets", [0, table.shape[0] if table.shape else 0])
+        return rows.plan_rows(shards, offsets, ids, table.name)
+    shards = shards_of(v)
+    return [(s, None) for s in shards], lambda values: values[0] if len(values) == 1 else np.concatenate(values)
