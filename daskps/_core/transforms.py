@@ -134,6 +134,21 @@ def _map_slots(state: Any, fn: Any) -> Any:
     return state._replace(**{k: fn(v) for k, v in slot_arrays(state).items()})
 
 
+def sum_rows(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct ``indices`` (sorted) and, for each, the sum of its ``values`` rows, in order of occurrence.
+
+    >>> sum_rows(np.array([3, 1, 3]), np.array([[1.0], [2.0], [4.0]]))
+    (array([1, 3]), array([[2.],
+           [5.]]))
+    """
+    order = np.argsort(indices, kind="stable")
+    ordered = indices[order]
+    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]]) if len(ordered) else np.zeros(0, np.intp)
+    if len(starts) == len(ordered):  # no repeats: nothing to add up
+        return ordered, values[order]
+    return ordered[starts], np.add.reduceat(values[order], starts, axis=0)
+
+
 def check_trainable(dtype: np.dtype, name: str, optimizer: str) -> None:
     """Optimizers train floating-point variables only (Keras refuses others too)."""
     if np.dtype(dtype).kind != "f":
@@ -162,9 +177,7 @@ def apply_gradient(
         updates, state = transform.update(grad, state, param)
         param += updates
         return state
-    rows, inverse = np.unique(grad[0], return_inverse=True)
-    summed = np.zeros((len(rows),) + param.shape[1:], param.dtype)
-    np.add.at(summed, inverse.ravel(), grad[1])
+    rows, summed = sum_rows(grad[0], grad[1])
     updates, row_state = transform.update(summed, _map_slots(state, lambda a: a[rows]), param[rows])
     param[rows] += updates
     for field, value in slot_arrays(row_state).items():
