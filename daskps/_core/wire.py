@@ -24,8 +24,12 @@ import numpy as np  # noqa: F401  (the doctest)
 OUT_OF_BAND = 64 << 10
 
 
-def pack(obj: Any) -> list:
-    """``obj`` as ``[header, *large buffers]``."""
+def pack(obj: Any, by_value: bool = False) -> list:
+    """``obj`` as ``[header, *large buffers]``.
+
+    ``by_value`` pickles functions by value (cloudpickle), as those defined in
+    a notebook or script must be; plain pickle is faster for data.
+    """
     buffers: list = []
 
     def keep_apart(buffer: pickle.PickleBuffer) -> bool:
@@ -35,11 +39,8 @@ def pack(obj: Any) -> list:
         buffers.append(raw)
         return False
 
-    try:
-        return [pickle.dumps(obj, protocol=5, buffer_callback=keep_apart), *buffers]
-    except (pickle.PicklingError, AttributeError, TypeError):  # a lambda (an initializer): by value
-        buffers.clear()
-        return [cloudpickle.dumps(obj, protocol=5, buffer_callback=keep_apart), *buffers]
+    dumps = cloudpickle.dumps if by_value else pickle.dumps
+    return [dumps(obj, protocol=5, buffer_callback=keep_apart), *buffers]
 
 
 def unpack(message: list) -> Any:

@@ -157,8 +157,8 @@ class Channel:
             self._sock = sock
         return self._sock
 
-    def send(self, ops: list) -> None:
-        frames = wire.pack(ops)
+    def send(self, ops: list, by_value: bool = False) -> None:
+        frames = wire.pack(ops, by_value)
         sizes = [memoryview(f).nbytes for f in frames]
         parts = [_COUNT.pack(len(frames)) + struct.pack(f"!{len(frames)}Q", *sizes), *frames]
         try:

@@ -111,9 +111,17 @@ def _result(value: Any) -> Any:
     return deserialize(value.header, value.frames) if isinstance(value, Serialized) else value
 
 
-def serialized(obj: Any) -> Serialized:
+# Operations whose arguments may hold functions (initializers, optimizer transforms): pickled by value.
+_CARRY_CODE = frozenset({"create", "add_optimizer"})
+
+
+def carries_code(ops: Ops) -> bool:
+    return any(op in _CARRY_CODE for op, _ in ops)
+
+
+def serialized(obj: Any, by_value: bool = False) -> Serialized:
     """``obj`` ready for Dask's comms: our wire format is Dask's "pickle" layout, so Dask only frames it."""
-    frames = wire.pack(obj)
+    frames = wire.pack(obj, by_value)
     return Serialized({"serializer": "pickle", "writeable": (True,) * (len(frames) - 1)}, frames)
 
 
@@ -190,7 +198,7 @@ class _DaskTransport:
                 # Run on the worker's event loop (no thread hop): every operation goes this way,
                 # so they still run one at a time.
                 response = await send_recv(comm=comm, op="actor_execute", actor=server.actor_key,
-                                           function="handle", args=[serialized(ops)],
+                                           function="handle", args=[serialized(ops, carries_code(ops))],
                                            kwargs={"separate_thread": False})
             finally:
                 self.pool.reuse(server.address, comm)
@@ -334,7 +342,7 @@ def _over_channels(batches: dict[ServerRef, Ops], owner: Any) -> dict[ServerRef,
         results, errors = {}, {}
         for server, ch in zip(servers, chans):
             try:
-                ch.send(batches[server])
+                ch.send(batches[server], carries_code(batches[server]))
             except OSError as exc:
                 errors[server] = _lost(server, owner, exc)
         for server, ch in zip(servers, chans):
