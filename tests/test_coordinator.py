@@ -251,3 +251,38 @@ def test_ps_unavailable_says_what_happened_and_what_was_lost(fresh_cluster):
             w.numpy()
             time.sleep(0.1)
     assert table.shape == (3,)  # held until here: the message names what is held
+
+
+def _counted_step(runs, i):
+    time.sleep(0.01)
+    runs.assign_add(1)
+    return i
+
+
+def test_three_trainer_kills_lose_no_value_and_rerun_little(fresh_cluster):
+    """A function whose result reached the coordinator never runs again; every value arrives."""
+    cluster, client = fresh_cluster
+    strategy = dps.ParameterServerStrategy(client)
+    coordinator = dps.ClusterCoordinator(strategy)
+    with strategy.scope():
+        runs = dps.Variable(0, dtype=np.int64, name="runs")
+    remotes = [coordinator.schedule(_counted_step, args=(runs, i)) for i in range(1500)]
+    for k in range(3):
+        while coordinator.summary()["done"] < 300 * (k + 1):
+            time.sleep(0.05)
+        name = f"worker-{k % 2}"
+        wait_for_worker(client, name, kill_worker(client, name))
+    coordinator.join()
+    assert [r.fetch() for r in remotes] == list(range(1500))
+    extra = int(runs.numpy()) - 1500
+    assert 0 <= extra < 75, f"{extra} extra runs"
+
+
+def test_results_reach_the_coordinator_before_the_batch_ends(strategy, coordinator, client):
+    gate = Event("daskps-batch-gate", client=client)
+    first = coordinator.schedule(lambda: "early")
+    blocked = [coordinator.schedule(_wait_for, args=("daskps-batch-gate",)) for _ in range(6)]
+    assert first.fetch() == "early"  # while later functions (maybe in its batch) still wait
+    gate.set()
+    coordinator.join()
+    assert {b.fetch() for b in blocked} == {"released"}

@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import pickle
-import time
+import threading
 import traceback
 from typing import Any
 
@@ -80,15 +80,18 @@ class _Reporter:
     """Reports finished functions in order, once their pushes are applied, a few per event.
 
     Functions that finish within ``REPORT_EVERY`` seconds of each other share
-    one event (one message through the scheduler instead of one each); an
-    error, and the end of the batch, go out at once.
+    one event (one message through the scheduler instead of one each): the
+    first one ready sets a timer on the worker's event loop, which sends
+    whatever is ready by then, even while the next function runs. An error,
+    and the end of the batch, go out at once.
     """
 
     def __init__(self, worker: Any, topic: str, batch_key: str, pipe: Any):
         self.worker, self.topic, self.batch_key, self.pipe = worker, topic, batch_key, pipe
         self.waiting: collections.deque[list] = collections.deque()  # finished, pushes not yet applied
         self.outbox: list[list] = []
-        self.last = time.monotonic()
+        self.lock = threading.Lock()
+        self.timer = False
 
     def finished(self, cid: int, status: str, payload: bytes | None) -> None:
         self.waiting.append([cid, status, payload])
@@ -99,12 +102,24 @@ class _Reporter:
             cid, status, payload = self.waiting.popleft()
             if cid in self.pipe.errors:
                 status, payload = ERROR, _pickled_error(self.pipe.errors[cid])
-            self.outbox.append([cid, status, payload])
+            with self.lock:
+                self.outbox.append([cid, status, payload])
             final = final or status == ERROR
-        now = time.monotonic()
-        if self.outbox and (final or now - self.last >= REPORT_EVERY):
-            self.worker.log_event(self.topic, [self.batch_key, self.outbox])
-            self.outbox, self.last = [], now
+        if final:
+            self._flush()
+            return
+        with self.lock:
+            start = bool(self.outbox) and not self.timer
+            self.timer = self.timer or start
+        if start:
+            loop = self.worker.loop
+            loop.add_callback(loop.call_later, REPORT_EVERY, self._flush)
+
+    def _flush(self) -> None:
+        with self.lock:
+            outbox, self.outbox, self.timer = self.outbox, [], False
+        if outbox:
+            self.worker.log_event(self.topic, [self.batch_key, outbox])
 
 
 def _cancelled(worker: Any, key: str) -> bool:
