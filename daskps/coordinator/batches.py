@@ -3,7 +3,7 @@
 The coordinator packs several scheduled functions into one Dask task (see
 :mod:`daskps.coordinator.coordinator`). On the trainer, :func:`run_batch`
 runs them in schedule order and, as they finish, logs events
-``[batch_key, [[function_id, status, payload], ...]]`` to the coordinator's topic:
+``[batch_key, [[function_id, status, payload, seconds], ...]]`` to the coordinator's topic:
 the result (pickled, when small) or the error reaches the coordinator at
 once, through the scheduler. The scheduler plugin notes which functions of a
 batch have reported; if the trainer dies and Dask runs the batch again
@@ -24,6 +24,7 @@ import collections
 import contextlib
 import pickle
 import threading
+import time
 import traceback
 from typing import Any
 
@@ -44,15 +45,15 @@ REPORT_EVERY = 0.005
 INLINE_BYTES = 64 << 10
 
 
-def run_batch(strategy_blob: bytes, topic: str, batch_key: str,
-              closures: list[tuple[int, tuple[bytes, bytes]]]) -> dict[int, Any]:
-    """Run ``closures`` (``(function id, (pickled fn, pickled (args, kwargs)))``) in order; return big results.
+def run_batch(strategy_blob: bytes, topic: str, batch_key: str, batch: bytes) -> dict[int, Any]:
+    """Run the pickled ``[(function id, (pickled fn, pickled (args, kwargs))), ...]`` in order; return big results.
 
     Pushes are pipelined (:mod:`daskps.ps.pipeline`): a function is reported
     once its pushes have been applied, in schedule order.
     """
     worker = get_worker()
     strategy = pickle.loads(strategy_blob)
+    closures = pickle.loads(batch)
     reported = set(sync(worker.loop, getattr(worker.scheduler, REPORTED_HANDLER), key=batch_key))
     big: dict[int, Any] = {}
     with pipeline.pipelined() as pipe:
@@ -63,11 +64,13 @@ def run_batch(strategy_blob: bytes, topic: str, batch_key: str,
             if _cancelled(worker, batch_key):
                 break
             pipe.function = cid
+            started = time.perf_counter()
             status, payload, value = _run_one(strategy, blob)
+            took = time.perf_counter() - started
             pipe.function = None
             if status == BIG:
                 big[cid] = value
-            reporter.finished(cid, status, payload)
+            reporter.finished(cid, status, payload, took)
             if status == ERROR:
                 break
         with contextlib.suppress(Exception):  # a failed push is reported as its function's error
@@ -93,17 +96,17 @@ class _Reporter:
         self.lock = threading.Lock()
         self.timer = False
 
-    def finished(self, cid: int, status: str, payload: bytes | None) -> None:
-        self.waiting.append([cid, status, payload])
+    def finished(self, cid: int, status: str, payload: bytes | None, took: float) -> None:
+        self.waiting.append([cid, status, payload, took])
         self.send(final=status == ERROR)
 
     def send(self, final: bool = False) -> None:
         while self.waiting and self.pipe.settled(self.waiting[0][0]):
-            cid, status, payload = self.waiting.popleft()
+            cid, status, payload, took = self.waiting.popleft()
             if cid in self.pipe.errors:
                 status, payload = ERROR, _pickled_error(self.pipe.errors[cid])
             with self.lock:
-                self.outbox.append([cid, status, payload])
+                self.outbox.append([cid, status, payload, took])
             final = final or status == ERROR
         if final:
             self._flush()

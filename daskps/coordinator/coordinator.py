@@ -7,9 +7,10 @@ That checks they can travel and refuses variables that live only in this
 process. It queues the function and returns a :class:`RemoteValue` at once. A pump on
 the client's event loop packs queued functions into batches, each one Dask
 task restricted to ``worker``-tagged workers, sized to the backlog (a share
-of the queue per trainer, at most ``daskps.max-batch``) with two batches in
-flight per trainer, so every trainer stays busy and the last batches are
-short. The scheduler sees one task per batch, not per function.
+of the queue per trainer, about a tenth of a second of work, at most
+``daskps.max-batch``) with one batch in flight per trainer, and a second one
+when the backlog is deep, so every trainer stays busy and the last batches
+are short. The scheduler sees one task per batch, not per function.
 
 Each function reports as soon as it finishes, through an event (see
 :mod:`daskps.coordinator.batches`): its RemoteValue is ready then, and a
@@ -34,6 +35,7 @@ import contextlib
 import functools
 import itertools
 import math
+import pickle
 import threading
 import time
 import weakref
@@ -55,6 +57,9 @@ from daskps.ps.plugin import BATCH_TOPIC_PREFIX
 from daskps.ui.display import coordinator_html
 
 __all__ = ["ClusterCoordinator", "RemoteValue"]
+
+# About how long one batch should run.
+BATCH_SECONDS = 0.1
 
 
 class _Closure:
@@ -156,6 +161,7 @@ class ClusterCoordinator:
         self._error: BaseException | None = None
         self._pump_queued = False
         self._fetching = 0  # threads waiting in RemoteValue.fetch(): wake them on every result
+        self._seconds_per_function = 0.001  # a moving average, from the reports
         self._ids = itertools.count()
         self._batch_ids = itertools.count()
         self._topic = f"{BATCH_TOPIC_PREFIX}{strategy._token}"
@@ -206,9 +212,25 @@ class ClusterCoordinator:
             self._loop.add_callback(self._pump)
         return closure.remote
 
-    def _batch_size(self, trainers: int) -> int:
-        share = math.ceil(len(self._queue) / (2 * trainers))
-        return max(1, min(int(dask.config.get("daskps.max-batch", 64)), share))
+    def _next_batch(self, trainers: int, in_flight: int) -> list[_Closure]:
+        """The next batch, or none.
+
+        A batch holds about ``BATCH_SECONDS`` of work (from how long functions
+        have taken), at most ``daskps.max-batch`` functions, and at most an
+        even share of the queue among as many trainers as that much work needs.
+        One batch in flight per trainer keeps it busy; a second one per trainer
+        (which saves the gap between batches) goes out only once the backlog is
+        deep. So short functions go out in few big batches, long ones in small
+        batches spread over every trainer.
+        """
+        work = len(self._queue) * self._seconds_per_function
+        needed = max(1, min(trainers, math.ceil(work / BATCH_SECONDS)))
+        size = min(int(dask.config.get("daskps.max-batch", 256)),
+                   max(1, int(BATCH_SECONDS / self._seconds_per_function)),
+                   math.ceil(len(self._queue) / needed))
+        if in_flight >= 2 * trainers or (in_flight >= trainers and len(self._queue) < 2 * trainers * size):
+            return []
+        return [self._queue.popleft() for _ in range(min(max(size, 1), len(self._queue)))]
 
     def _pump(self) -> None:
         """On the client's event loop: put queued functions into batches while trainers need work."""
@@ -216,13 +238,17 @@ class ClusterCoordinator:
         with self._cond:
             self._pump_queued = False
             batches: list[list[_Closure]] = []
-            while self._queue and len(self._batches) + len(batches) < 2 * trainers:
-                size = self._batch_size(trainers)
-                batches.append([self._queue.popleft() for _ in range(min(size, len(self._queue)))])
+            while self._queue:
+                batch = self._next_batch(trainers, len(self._batches) + len(batches))
+                if not batch:
+                    break
+                batches.append(batch)
             for closures in batches:
                 key = f"daskps-batch-{next(self._batch_ids)}-{self._strategy._token[:8]}"
+                # One bytes object: Dask walks every nested list and tuple of a task's arguments.
+                payload = pickle.dumps([(c.id, c.blob) for c in closures], protocol=5)
                 future = self._client.submit(
-                    run_batch, self._strategy_blob, self._topic, key, [(c.id, c.blob) for c in closures],
+                    run_batch, self._strategy_blob, self._topic, key, payload,
                     key=key, resources={"worker": 1}, pure=False,
                 )
                 self._batches[key] = (future, closures)
@@ -232,7 +258,8 @@ class ClusterCoordinator:
         """On the client's event loop: functions finished on a trainer."""
         _, (batch_key, finished) = event
         with self._cond:
-            for cid, status, payload in finished:
+            for cid, status, payload, took in finished:
+                self._seconds_per_function += 0.05 * (max(took, 1e-6) - self._seconds_per_function)
                 closure = self._pending.get(cid)
                 if closure is None or closure.remote._state != PENDING or status == BIG:
                     continue  # cancelled meanwhile, or its (big) result comes with the batch

@@ -69,14 +69,14 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
                 asyncio.ensure_future(_run_on_workers(self.scheduler, list(todo.values())))
 
     def log_event(self, topic: str, msg: Any) -> None:
-        """Scheduled functions finished: ``[batch_key, [[function_id, status, payload], ...]]``."""
+        """Scheduled functions finished: ``[batch_key, [[function_id, status, payload, seconds], ...]]``."""
         if not topic.startswith(BATCH_TOPIC_PREFIX):
             return
         batch_key, finished = msg
         reported = self.reported.setdefault(batch_key, set())
         ts = self.scheduler.tasks.get(batch_key) if self.scheduler is not None else None
         where = ts.processing_on.address if ts is not None and ts.processing_on is not None else None
-        for function_id, status, _ in finished:
+        for function_id, status, *_ in finished:
             reported.add(function_id)
             if where is not None:
                 (self.failed if status == "error" else self.completed)[where] += 1
