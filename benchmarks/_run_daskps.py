@@ -27,7 +27,15 @@ from distributed import wait
 import daskps as dps
 
 
+def _pause():
+    time.sleep(0.05)
+
+
 def _timed(coordinator, fn, args, steps: int, warmup: int) -> float:
+    # Warm every trainer (a first batch imports code and opens connections there): work that
+    # takes a while is spread over all of them.
+    for _ in range(4 * len(coordinator.strategy._worker_names)):
+        coordinator.schedule(_pause)
     for _ in range(warmup):
         coordinator.schedule(fn, args=args)
     coordinator.join()

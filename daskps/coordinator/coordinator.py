@@ -161,7 +161,7 @@ class ClusterCoordinator:
         self._error: BaseException | None = None
         self._pump_queued = False
         self._fetching = 0  # threads waiting in RemoteValue.fetch(): wake them on every result
-        self._seconds_per_function = 0.001  # a moving average, from the reports
+        self._seconds_per_function: float | None = None  # a moving average, from the reports
         self._ids = itertools.count()
         self._batch_ids = itertools.count()
         self._topic = f"{BATCH_TOPIC_PREFIX}{strategy._token}"
@@ -223,11 +223,13 @@ class ClusterCoordinator:
         deep. So short functions go out in few big batches, long ones in small
         batches spread over every trainer.
         """
-        work = len(self._queue) * self._seconds_per_function
-        needed = max(1, min(trainers, math.ceil(work / BATCH_SECONDS)))
-        size = min(int(dask.config.get("daskps.max-batch", 256)),
-                   max(1, int(BATCH_SECONDS / self._seconds_per_function)),
-                   math.ceil(len(self._queue) / needed))
+        per = self._seconds_per_function
+        if per is None:  # nothing measured yet: an even share for every trainer
+            size = math.ceil(len(self._queue) / trainers)
+        else:
+            needed = max(1, min(trainers, math.ceil(len(self._queue) * per / BATCH_SECONDS)))
+            size = min(max(1, int(BATCH_SECONDS / per)), math.ceil(len(self._queue) / needed))
+        size = min(size, int(dask.config.get("daskps.max-batch", 256)))
         if in_flight >= 2 * trainers or (in_flight >= trainers and len(self._queue) < 2 * trainers * size):
             return []
         return [self._queue.popleft() for _ in range(min(max(size, 1), len(self._queue)))]
@@ -259,7 +261,8 @@ class ClusterCoordinator:
         _, (batch_key, finished) = event
         with self._cond:
             for cid, status, payload, took in finished:
-                self._seconds_per_function += 0.05 * (max(took, 1e-6) - self._seconds_per_function)
+                per = self._seconds_per_function
+                self._seconds_per_function = took if per is None else per + 0.05 * (took - per)
                 closure = self._pending.get(cid)
                 if closure is None or closure.remote._state != PENDING or status == BIG:
                     continue  # cancelled meanwhile, or its (big) result comes with the batch
