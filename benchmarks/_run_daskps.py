@@ -13,6 +13,7 @@ from _workloads import (
     SMALL_SIZE,
     SMALL_VARS,
     VOCAB,
+    best_rate,
     ctr_batches,
     ctr_grads,
     ctr_table,
@@ -31,7 +32,7 @@ def _pause():
     time.sleep(0.05)
 
 
-def _timed(coordinator, fn, args, steps: int, warmup: int) -> float:
+def _timed(coordinator, fn, args, steps: int, warmup: int, name: str = "") -> float:
     # Warm every trainer (a first batch imports code and opens connections there): work that
     # takes a while is spread over all of them.
     for _ in range(4 * len(coordinator.strategy._worker_names)):
@@ -39,11 +40,13 @@ def _timed(coordinator, fn, args, steps: int, warmup: int) -> float:
     for _ in range(warmup):
         coordinator.schedule(fn, args=args)
     coordinator.join()
-    start = time.perf_counter()
-    for _ in range(steps):
-        coordinator.schedule(fn, args=args)
-    coordinator.join()
-    return steps / (time.perf_counter() - start)
+
+    def run():
+        for _ in range(steps):
+            coordinator.schedule(fn, args=args)
+        coordinator.join()
+
+    return best_rate(name, steps, run)
 
 
 def _noop():
@@ -62,7 +65,7 @@ def run_daskps(workloads: list[str], num_ps: int, num_workers: int, steps: dict[
 
 
 def _daskps_dispatch(strategy, coordinator, steps: int) -> float:
-    return _timed(coordinator, _noop, (), steps, warmup=100)
+    return _timed(coordinator, _noop, (), steps, warmup=100, name="dispatch")
 
 
 def _daskps_dense(strategy, coordinator, steps: int) -> float:
@@ -122,7 +125,6 @@ def run_dask(workloads: list[str], num_ps: int, num_workers: int, steps: dict[st
     with dps.LocalPSCluster(num_ps=num_ps, num_workers=num_workers) as cluster, cluster.get_client() as client:
         n = steps["dispatch"]
         wait([client.submit(_noop, resources={"worker": 1}, pure=False) for _ in range(100)])
-        start = time.perf_counter()
-        wait([client.submit(_noop, resources={"worker": 1}, pure=False) for _ in range(n)])
-        out["dispatch"] = n / (time.perf_counter() - start)
+        out["dispatch"] = best_rate("dispatch", n, lambda: wait(
+            [client.submit(_noop, resources={"worker": 1}, pure=False) for _ in range(n)]))
     return out

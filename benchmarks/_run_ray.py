@@ -11,7 +11,6 @@ as a TensorFlow step waits for its updates). Everything listens on
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 from _workloads import (
@@ -20,6 +19,7 @@ from _workloads import (
     FIELDS,
     LR,
     VOCAB,
+    best_rate,
     ctr_batches,
     ctr_grads,
     ctr_table,
@@ -127,9 +127,8 @@ def run_ray(workloads: list[str], num_ps: int, num_workers: int, steps: dict[str
             trainers = [trainer_cls.remote(name, w, servers, num_ps) for w in range(num_workers)]
             call = (lambda t: t.noop.remote()) if name == "dispatch" else (lambda t: t.step.remote())
             ray.get([call(t) for t in trainers for _ in range(5)])
-            start = time.perf_counter()
-            ray.get([call(trainers[i % num_workers]) for i in range(steps[name])])
-            rate = steps[name] / (time.perf_counter() - start)
+            n = steps[name]
+            rate = best_rate(name, n, lambda c=call, ts=trainers, n=n: ray.get([c(ts[i % num_workers]) for i in range(n)]))
             out[name] = rate * (BATCH if name in ("dense", "ctr") else 1)
             for a in servers + trainers:
                 ray.kill(a)

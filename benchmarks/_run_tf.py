@@ -9,7 +9,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
-import time
 
 import numpy as np
 from _workloads import (
@@ -19,6 +18,7 @@ from _workloads import (
     LR,
     SMALL_VARS,
     VOCAB,
+    best_rate,
     ctr_batches,
     dense_batches,
     dense_init,
@@ -73,15 +73,17 @@ def _leaves(variables):
     return [s for v in variables for s in getattr(v, "variables", [v])]
 
 
-def _timed(coordinator, fn, args, steps: int, warmup: int) -> float:
+def _timed(coordinator, fn, args, steps: int, warmup: int, name: str = "") -> float:
     for _ in range(warmup):
         coordinator.schedule(fn, args=args)
     coordinator.join()
-    start = time.perf_counter()
-    for _ in range(steps):
-        coordinator.schedule(fn, args=args)
-    coordinator.join()
-    return steps / (time.perf_counter() - start)
+
+    def run():
+        for _ in range(steps):
+            coordinator.schedule(fn, args=args)
+        coordinator.join()
+
+    return best_rate(name, steps, run)
 
 
 def _dataset(tf, strategy, coordinator, make):
@@ -95,7 +97,7 @@ def _dataset(tf, strategy, coordinator, make):
 
 def _tf_dispatch(tf, strategy, coordinator, steps: int) -> float:
     noop = tf.function(lambda: tf.constant(0))
-    return _timed(coordinator, noop, (), steps, warmup=100)
+    return _timed(coordinator, noop, (), steps, warmup=100, name="dispatch")
 
 
 def _tf_dense(tf, strategy, coordinator, steps: int) -> float:

@@ -12,6 +12,8 @@ batches generated once, so data generation is not what is measured.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 BATCH = 256
@@ -89,4 +91,16 @@ def small_grads(values: list[np.ndarray]) -> list[np.ndarray]:
 
 
 EXAMPLES_PER_STEP = {"dispatch": 1, "dense": BATCH, "ctr": BATCH, "small": 1}
+# A thousand empty functions take a tenth of a second: each system times them three times, keeping the best.
+REPEATS = {"dispatch": 3}
+
+
+def best_rate(name: str, steps: int, run) -> float:
+    """The best of ``REPEATS`` timings of ``run()`` (which does ``steps`` steps), in steps per second."""
+    best = 0.0
+    for _ in range(REPEATS.get(name, 1)):
+        start = time.perf_counter()
+        run()
+        best = max(best, steps / (time.perf_counter() - start))
+    return best
 UNITS = {"dispatch": "functions/s", "dense": "examples/s", "ctr": "examples/s", "small": "steps/s"}

@@ -216,23 +216,25 @@ class ClusterCoordinator:
         """The next batch, or none.
 
         A batch holds about ``BATCH_SECONDS`` of work (from how long functions
-        have taken), at most ``daskps.max-batch`` functions, and at most an
-        even share of the queue among as many trainers as that much work needs.
-        One batch in flight per trainer keeps it busy; a second one per trainer
-        (which saves the gap between batches) goes out only once the backlog is
-        deep. So short functions go out in few big batches, long ones in small
-        batches spread over every trainer.
+        have taken), at most ``daskps.max-batch`` functions. Only as many
+        trainers as the outstanding work needs get batches, one each; a second
+        one each (which saves the gap between batches) goes out only once the
+        backlog is deep. So short functions go out in few big batches to one
+        trainer (more would only add overhead), long ones in small batches
+        spread over every trainer; the last batches are short. Until durations
+        are known, the queue is split evenly over every trainer.
         """
-        per = self._seconds_per_function
-        if per is None:  # nothing measured yet: an even share for every trainer
-            size = math.ceil(len(self._queue) / trainers)
+        queued, per = len(self._queue), self._seconds_per_function
+        if per is None:
+            useful, size = trainers, math.ceil(queued / trainers)
         else:
-            needed = max(1, min(trainers, math.ceil(len(self._queue) * per / BATCH_SECONDS)))
-            size = min(max(1, int(BATCH_SECONDS / per)), math.ceil(len(self._queue) / needed))
+            work = (len(self._pending)) * per  # queued and running
+            useful = max(1, min(trainers, math.ceil(work / BATCH_SECONDS)))
+            size = min(max(1, int(BATCH_SECONDS / per)), math.ceil(queued / useful))
         size = min(size, int(dask.config.get("daskps.max-batch", 256)))
-        if in_flight >= 2 * trainers or (in_flight >= trainers and len(self._queue) < 2 * trainers * size):
+        if in_flight >= 2 * useful or (in_flight >= useful and queued < 2 * useful * size):
             return []
-        return [self._queue.popleft() for _ in range(min(max(size, 1), len(self._queue)))]
+        return [self._queue.popleft() for _ in range(min(size, queued))]
 
     def _pump(self) -> None:
         """On the client's event loop: put queued functions into batches while trainers need work."""
@@ -260,9 +262,10 @@ class ClusterCoordinator:
         """On the client's event loop: functions finished on a trainer."""
         _, (batch_key, finished) = event
         with self._cond:
-            for cid, status, payload, took in finished:
-                per = self._seconds_per_function
-                self._seconds_per_function = took if per is None else per + 0.05 * (took - per)
+            took = sum(f[3] for f in finished) / len(finished)  # a few events to follow a change
+            per = self._seconds_per_function
+            self._seconds_per_function = took if per is None else per + 0.5 * (took - per)
+            for cid, status, payload, _ in finished:
                 closure = self._pending.get(cid)
                 if closure is None or closure.remote._state != PENDING or status == BIG:
                     continue  # cancelled meanwhile, or its (big) result comes with the batch
