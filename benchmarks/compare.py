@@ -9,6 +9,7 @@ table shows the best round of each and daskps' ratio to each peer.
     pip install ".[compare]"                      # tensorflow-cpu and ray
     python benchmarks/compare.py                  # the table
     python benchmarks/compare.py --workers 2,4,8  # scaling: dispatch and dense per trainer count
+                                                  # (dense: 250 steps per trainer, at least 300)
 
 Systems that are not installed are skipped, and said so. Every peer listens
 on 127.0.0.1 only.
@@ -34,6 +35,7 @@ SYSTEMS = {"daskps": "daskps", "tf": "tensorflow", "ray": "ray", "dask": "distri
 NAMES = {"daskps": "daskps", "tf": "TensorFlow PSS", "ray": "Ray actors", "dask": "raw Dask"}
 WORKLOADS = ["dispatch", "dense", "ctr", "small"]
 STEPS = {"dispatch": 1000, "dense": 300, "ctr": 300, "small": 300}
+STEPS_PER_TRAINER = {"dense": 250}  # in the scaling mode
 
 
 def run_one(system: str, workloads: list[str], num_ps: int, num_workers: int, steps: dict[str, int]) -> dict:
@@ -127,7 +129,9 @@ def _scaling(systems: list[str], counts: list[int], args: argparse.Namespace, st
     rows = {}
     for n in counts:
         print(f"# {n} trainers", file=sys.stderr)
-        rows[n] = compare(systems, workloads, args.rounds, args.ps, n, steps, args.timeout)
+        # A steady state for every count: more trainers get more steps (ramp-up and tail stay small).
+        scaled = {w: max(steps[w], STEPS_PER_TRAINER.get(w, 0) * n) for w in steps}
+        rows[n] = compare(systems, workloads, args.rounds, args.ps, n, scaled, args.timeout)
     for w in workloads:
         shown = [s for s in systems if any(w in rows[n].get(s, {}) for n in counts)]
         print(f"\n{w} ({UNITS[w]}), best of {args.rounds} rounds")
