@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 import daskps as dps
+from daskps.distribute.cluster import cluster_workers
 
 ROWS, DIM = 1_000_000, 16
 
@@ -106,7 +107,7 @@ def main() -> None:
         coordinator = dps.ClusterCoordinator(strategy)
         with strategy.scope():
             table = dps.Variable(_table_init, shape=(ROWS, DIM), dtype=np.float32, name="table")
-        ps = [a for a, w in client.scheduler_info()["workers"].items() if w["name"].startswith("ps-")]
+        ps = [a for a, w in cluster_workers(client).items() if w["name"].startswith("ps-")]
         split = ROWS // 2
         actors = [
             client.submit(TableHalf, 0, split, DIM, actor=True, workers=[ps[0]]).result(),

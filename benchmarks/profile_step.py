@@ -26,12 +26,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _run_daskps  # noqa: E402
 
 import daskps as dps  # noqa: E402
+from daskps.distribute.cluster import cluster_workers  # noqa: E402
 
 
 def _pids(client) -> dict[str, int]:
     scheduler = client.run_on_scheduler(os.getpid)
     roles = {"coordinator": os.getpid()} if scheduler == os.getpid() else {"coordinator": os.getpid(), "scheduler": scheduler}
-    for addr, info in client.scheduler_info(n_workers=-1)["workers"].items():
+    for addr, info in cluster_workers(client).items():
         roles[str(info["name"])] = client.run(os.getpid, workers=[addr])[addr]
     return roles
 

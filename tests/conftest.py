@@ -14,6 +14,7 @@ import pytest
 from distributed import Client
 
 import daskps as dps
+from daskps.distribute.cluster import cluster_workers
 
 # tests/data holds generated fixtures and the script (needing TensorFlow) that makes them.
 collect_ignore_glob = ["data/*"]
@@ -51,7 +52,7 @@ def fresh_cluster():
 
 
 def worker_address(client: Client, name: str) -> str:
-    for addr, info in client.scheduler_info(n_workers=-1)["workers"].items():
+    for addr, info in cluster_workers(client).items():
         if info["name"] == name:
             return addr
     raise LookupError(name)

@@ -6,13 +6,14 @@ import numpy as np
 import pytest
 
 import daskps as dps
+from daskps.distribute.cluster import cluster_workers
 from tests.conftest import dask_cli_cluster
 
 from .conftest import kill_worker, wait_for_worker
 
 
 def test_workers_have_their_resources_and_names(client):
-    workers = client.scheduler_info(n_workers=-1)["workers"].values()
+    workers = cluster_workers(client).values()
     by_name = {w["name"]: w["resources"] for w in workers}
     assert by_name == {"ps-0": {"ps": 1}, "ps-1": {"ps": 1}, "worker-0": {"worker": 1}, "worker-1": {"worker": 1}}
 
@@ -20,7 +21,7 @@ def test_workers_have_their_resources_and_names(client):
 def test_everything_binds_to_loopback(cluster, client):
     assert cluster.scheduler_address.startswith("tcp://127.0.0.1:")
     assert cluster.dashboard_link.startswith("http://127.0.0.1:")
-    for addr in client.scheduler_info(n_workers=-1)["workers"]:
+    for addr in cluster_workers(client):
         assert addr.startswith("tcp://127.0.0.1:")
     for nanny in cluster.workers.values():
         assert nanny.address.startswith("tcp://127.0.0.1:")
@@ -44,7 +45,7 @@ def test_killed_worker_comes_back(fresh_cluster):
     cluster, client = fresh_cluster
     old = kill_worker(client, "worker-0")
     new = wait_for_worker(client, "worker-0", old)
-    info = client.scheduler_info(n_workers=-1)["workers"][new]
+    info = cluster_workers(client)[new]
     assert info["resources"] == {"worker": 1}
 
 

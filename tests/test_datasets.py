@@ -10,6 +10,7 @@ import pytest
 from distributed import get_worker
 
 import daskps as dps
+from daskps.distribute.cluster import cluster_workers
 from daskps.errors import NotScheduledError, OutOfRangeError
 
 from .conftest import kill_worker, wait_for_worker
@@ -139,7 +140,7 @@ def test_worker_that_joins_later_builds_its_own(fresh_cluster, tmp_path):
     )
     try:
         deadline = time.monotonic() + 60
-        while "late-worker" not in {w["name"] for w in client.scheduler_info(n_workers=-1)["workers"].values()}:
+        while "late-worker" not in {w["name"] for w in cluster_workers(client).values()}:
             assert time.monotonic() < deadline, "late worker never joined"
             time.sleep(0.1)
 

@@ -12,6 +12,7 @@ import pytest
 from distributed import Client, get_worker
 
 import daskps as dps
+from daskps.distribute.cluster import cluster_workers
 from daskps.errors import ClosedError
 
 from .conftest import kill_worker, worker_address
@@ -217,7 +218,7 @@ def test_a_trainer_that_dies_holding_handles_leaks_nothing(fresh_cluster):
     coordinator.schedule(_keep, args=(v,))
     coordinator.join()
     held = client.run(lambda dask_worker: hasattr(dask_worker, "_daskps_test_kept"))
-    name = next(info["name"] for a, info in client.scheduler_info()["workers"].items() if held.get(a))
+    name = next(info["name"] for a, info in cluster_workers(client).items() if held.get(a))
     del v
     gc.collect()
     time.sleep(0.5)
@@ -425,7 +426,7 @@ def test_a_dropped_coordinator_releases_everything(client):
     coordinator = dps.ClusterCoordinator(strategy)
     with strategy.scope():
         v = dps.Variable(0.0)
-    coordinator.schedule(lambda: v.assign_add(1.0))
+    coordinator.schedule(v.assign_add, args=(1.0,))
     coordinator.join()
     token = strategy._token
     del strategy, coordinator, v

@@ -121,6 +121,16 @@ def _unset(settings: dict[str, Any]) -> dict[str, Any]:
             if dask.config.get(key, None) == dask.config.get(key, None, config=defaults)}
 
 
+def cluster_workers(client: Client) -> dict[str, dict[str, Any]]:
+    """The scheduler's record of every worker, keyed by address, fetched now.
+
+    ``Client.scheduler_info()`` is not used: it fetches into an attribute that
+    the client's own two-second refresh overwrites with a worker-less summary,
+    so under load it can return no workers at all.
+    """
+    return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+
+
 def _natural_key(text: str) -> list[Any]:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", text)]
 
@@ -163,7 +173,7 @@ class DaskClusterResolver:
 
     def _workers(self, resource: str) -> list[tuple[str, str]]:
         """(name, address) of live workers holding ``resource``, in name order."""
-        info = self.client.scheduler_info(n_workers=-1)["workers"]
+        info = cluster_workers(self.client)
         found = [
             (str(w.get("name", addr)), addr)
             for addr, w in info.items()

@@ -24,6 +24,7 @@ from typing import Any
 
 import fsspec
 
+from daskps.distribute.cluster import cluster_workers
 from daskps.training.checkpoint import committed_numbers
 
 __all__ = ["SidecarEvaluator"]
@@ -92,7 +93,7 @@ class SidecarEvaluator:
     def _on_evaluator(self) -> bool:
         if self._client is None:
             return False
-        workers = self._client.scheduler_info(n_workers=-1)["workers"].values()
+        workers = cluster_workers(self._client).values()
         return any(w.get("resources", {}).get("evaluator") for w in workers)
 
     def evaluate(self, path: str) -> dict:
