@@ -40,7 +40,7 @@ from daskps.ps.plugin import REPORTED_HANDLER
 
 OK, BIG, ERROR = "ok", "big", "error"
 # Functions finishing this close together are reported in one event.
-REPORT_EVERY = 0.005
+REPORT_EVERY = 0.02
 # Results up to this size ride in the event; bigger ones come back with the task.
 INLINE_BYTES = 64 << 10
 
@@ -71,8 +71,12 @@ def run_batch(strategy_blob: bytes, topic: str, batch_key: str, batch: bytes) ->
             if status == BIG:
                 big[cid] = value
             reporter.finished(cid, status, payload, took)
-            if status == ERROR:
+            if status == ERROR or pipe.errors:
                 break
+            if reporter.overdue():  # the functions since touched no server that holds its pushes
+                with contextlib.suppress(Exception):  # a failed push is reported as its function's error
+                    protocol.flush()
+                reporter.send()
         with contextlib.suppress(Exception):  # a failed push is reported as its function's error
             protocol.flush()
         reporter.send(final=True)
@@ -97,12 +101,21 @@ class _Reporter:
         self.timer = False
 
     def finished(self, cid: int, status: str, payload: bytes | None, took: float) -> None:
-        self.waiting.append([cid, status, payload, took])
+        self.waiting.append([cid, status, payload, took, time.monotonic()])
         self.send(final=status == ERROR)
+
+    def overdue(self) -> bool:
+        """Whether a finished function has waited ``REPORT_EVERY`` for its pushes to be applied.
+
+        Pushes ride with the next message to their server; when the functions
+        after it do not talk to that server, the batch sends them itself, so
+        a report waits at most about one function.
+        """
+        return bool(self.waiting) and time.monotonic() - self.waiting[0][4] > REPORT_EVERY
 
     def send(self, final: bool = False) -> None:
         while self.waiting and self.pipe.settled(self.waiting[0][0]):
-            cid, status, payload, took = self.waiting.popleft()
+            cid, status, payload, took, _ = self.waiting.popleft()
             if cid in self.pipe.errors:
                 status, payload = ERROR, _pickled_error(self.pipe.errors[cid])
             with self.lock:

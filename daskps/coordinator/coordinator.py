@@ -7,7 +7,7 @@ That checks they can travel and refuses variables that live only in this
 process. It queues the function and returns a :class:`RemoteValue` at once. A pump on
 the client's event loop packs queued functions into batches, each one Dask
 task restricted to ``worker``-tagged workers, sized to the backlog (a share
-of the queue per trainer, about a tenth of a second of work, at most
+of the queue per trainer, about a fifth of a second of work, at most
 ``daskps.max-batch``) with one batch in flight per trainer, and a second one
 when the backlog is deep, so every trainer stays busy and the last batches
 are short. The scheduler sees one task per batch, not per function.
@@ -15,8 +15,9 @@ are short. The scheduler sees one task per batch, not per function.
 Each function reports as soon as it finishes, through an event (see
 :mod:`daskps.coordinator.batches`): its RemoteValue is ready then, and a
 batch that Dask runs again after its trainer died skips the functions that
-already reported. Each batch's task result is fetched when it finishes and
-its future released, so nothing finished is ever recomputed.
+already reported. When a batch's task finishes its future is released (its
+result, the values too big for an event, is fetched first if it has any),
+so nothing finished is ever recomputed.
 
 Errors follow TensorFlow's coordinator: the first error a function raises is
 kept and raised once, by whichever of ``join``, ``done`` or ``schedule`` comes
@@ -59,7 +60,7 @@ from daskps.ui.display import coordinator_html
 __all__ = ["ClusterCoordinator", "RemoteValue"]
 
 # About how long one batch should run.
-BATCH_SECONDS = 0.1
+BATCH_SECONDS = 0.2
 
 
 class _Closure:
@@ -292,7 +293,10 @@ class ClusterCoordinator:
         """A batch's task finished: take its big results, settle the rest, release the future."""
         await future._state.wait()
         results, error = {}, None
-        if future.status == "finished":
+        with self._cond:  # every function reported (none too big for its event): nothing to fetch
+            _, closures = self._batches.get(key, (None, []))
+            unsettled = any(c.remote._state == PENDING and c.id in self._pending for c in closures)
+        if future.status == "finished" and unsettled:
             try:
                 results = await future
             except Exception as exc:  # its result was lost with its worker

@@ -18,6 +18,7 @@ through Dask's comms there, encrypted.
 from __future__ import annotations
 
 import asyncio
+import os
 import select
 import socket
 import struct
@@ -29,6 +30,7 @@ from typing import Any
 from daskps._core import wire
 
 _COUNT = struct.Struct("!Q")
+_MAX_PARTS = 512  # buffers per writev (the system's limit is 1024 or more)
 
 
 # -- the server's end --------------------------------------------------------------------------
@@ -116,11 +118,46 @@ class _Serving(asyncio.BufferedProtocol):
             self.transport.close()
             return
         try:
-            # Reads may hand over the server's own arrays: _encode copies them before anything else runs.
+            # Reads may hand over the server's own arrays: _write sends or copies them before anything else runs.
             answer: tuple = ("ok", server.execute(wire.unpack(frames), shared_reads=True))
         except Exception as exc:
             answer = ("error", exc)
-        self.transport.write(_encode(_pack_answer(answer)))
+        self._write(_framed(_pack_answer(answer)))
+
+    def _write(self, parts: list) -> None:
+        """Send ``parts`` now, as far as the socket takes them; queue a copy of the rest.
+
+        Whatever is left is copied before this returns, so a reply may hold
+        the server's own arrays (nothing else runs meanwhile).
+        """
+        transport = self.transport
+        if transport.is_closing():
+            return
+        sent = 0
+        if not transport.get_write_buffer_size() and len(parts) <= _MAX_PARTS:  # the socket is ours to write
+            try:
+                sent = os.writev(transport.get_extra_info("socket").fileno(), parts)
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:
+                transport.close()
+                return
+        rest = []
+        for part in parts:
+            n = memoryview(part).nbytes
+            if sent >= n:
+                sent -= n
+                continue
+            rest.append(memoryview(part).cast("B")[sent:])
+            sent = 0
+        if rest:
+            transport.write(b"".join(rest))
+
+
+def _framed(frames: list) -> list:
+    """``[count and sizes, *frames]``: a message as the other end reads it."""
+    sizes = [memoryview(f).nbytes for f in frames]
+    return [_COUNT.pack(len(frames)) + struct.pack(f"!{len(frames)}Q", *sizes), *frames]
 
 
 def _pack_answer(answer: tuple) -> list:
@@ -128,11 +165,6 @@ def _pack_answer(answer: tuple) -> list:
         return wire.pack(answer)
     except Exception as exc:  # an exception that does not pickle
         return wire.pack(("error", RuntimeError(f"{type(answer[1]).__name__}: {answer[1]}; ({exc})")))
-
-
-def _encode(frames: list) -> bytes:
-    sizes = [memoryview(f).nbytes for f in frames]
-    return b"".join([_COUNT.pack(len(frames)), struct.pack(f"!{len(frames)}Q", *sizes), *frames])
 
 
 # -- the caller's end ----------------------------------------------------------------------------
@@ -158,9 +190,7 @@ class Channel:
         return self._sock
 
     def send(self, ops: list, by_value: bool = False) -> None:
-        frames = wire.pack(ops, by_value)
-        sizes = [memoryview(f).nbytes for f in frames]
-        parts = [_COUNT.pack(len(frames)) + struct.pack(f"!{len(frames)}Q", *sizes), *frames]
+        parts = _framed(wire.pack(ops, by_value))
         try:
             _send_all(self._connected(), [memoryview(p).cast("B") for p in parts])
         except OSError:

@@ -1,0 +1,128 @@
+"""Pipelined pushes inside scheduled functions keep TensorFlow's read semantics."""
+
+import time
+
+import numpy as np
+import pytest
+
+import daskps as dps
+
+
+def test_a_function_reads_its_own_earlier_updates(strategy, coordinator):
+    with strategy.scope():
+        v = dps.Variable([0.0, 0.0])
+        w = dps.Variable([1.0, 1.0])
+        opt = dps.optimizers.SGD(learning_rate=0.5)
+
+    def step():
+        seen = []
+        for _ in range(3):
+            v.assign_add([1.0, 2.0])
+            seen.append(v.numpy())
+            opt.apply_gradients([(np.array([1.0, 1.0], np.float32), w)])
+            seen.append(dps.read_values([w])[0])
+        v.scatter_update(dps.IndexedSlices(np.array([9.0], np.float32), np.array([1])))
+        seen.append(np.asarray(v))
+        return seen
+
+    seen = coordinator.schedule(step).fetch()
+    np.testing.assert_array_equal(seen[0], [1, 2])
+    np.testing.assert_array_equal(seen[1], [0.5, 0.5])
+    np.testing.assert_array_equal(seen[4], [3, 6])
+    np.testing.assert_array_equal(seen[5], [-0.5, -0.5])
+    np.testing.assert_array_equal(seen[6], [3, 9])
+
+
+def _sleep():
+    time.sleep(0.05)
+
+
+def test_a_reported_function_s_updates_are_applied(strategy, coordinator):
+    """A RemoteValue is ready only once its function's updates are on the server.
+
+    The functions behind it never talk to that server, so nothing else would
+    carry its held-back push there before the batch ends.
+    """
+    with strategy.scope():
+        v = dps.Variable(0.0)
+    for i in range(1, 4):
+        first = coordinator.schedule(v.assign_add, args=(1.0,))
+        for _ in range(30):
+            coordinator.schedule(_sleep)
+        first.fetch()
+        assert float(v.numpy()) == i
+        coordinator.join()
+
+
+def test_reports_wait_at_most_one_function_for_their_pushes(strategy, coordinator):
+    with strategy.scope():
+        v = dps.Variable(0.0)
+    first = coordinator.schedule(v.assign_add, args=(1.0,))
+    for _ in range(40):
+        coordinator.schedule(_sleep)
+    start = time.monotonic()
+    first.fetch()
+    waited = time.monotonic() - start
+    done_then = coordinator.summary()["done"]
+    coordinator.join()
+    # Reported long before the 20 sleeps of its batch ended (counted, not timed).
+    assert done_then < 20, (done_then, waited)
+
+
+def test_a_failed_push_fails_the_function_that_made_it(strategy, coordinator):
+    with strategy.scope():
+        v = dps.Variable(np.zeros((4, 2), np.float32))
+
+    def bad():
+        v.scatter_add(dps.IndexedSlices(np.ones((1, 2), np.float32), np.array([7])))
+        return "pushed"
+
+    def good():
+        v.assign_add(np.ones((4, 2), np.float32))
+        return float(np.asarray(v).sum())
+
+    before = coordinator.schedule(good)
+    failing = coordinator.schedule(bad)
+    with pytest.raises(Exception, match="7|range|bounds"):
+        coordinator.join()
+    assert before.fetch() == 8.0
+    with pytest.raises(Exception, match="7|range|bounds"):
+        failing.fetch()
+    np.testing.assert_array_equal(v.numpy(), np.ones((4, 2)))  # the bad push changed nothing
+    assert coordinator.schedule(good).fetch() == 16.0  # and the coordinator works on
+
+
+def test_a_push_the_server_refuses_fails_its_own_function(strategy, coordinator):
+    """An error only the server sees (here: the variable was released under a live handle)
+    comes back with a later message; it is reported as the error of the function that pushed."""
+    from daskps.ps import protocol
+
+    with strategy.scope():
+        gone = dps.Variable(0.0, name="gone")
+        other = dps.Variable(5.0, name="other")
+    if gone._ref.server != other._ref.server:  # round robin: put both on one server
+        with strategy.scope():
+            other = dps.Variable(5.0, name="other")
+    assert gone._ref.server == other._ref.server
+    protocol._run([(gone._ref.server, "release", ([gone._ref.key], protocol.HOLDER))])
+
+    def push():
+        gone.assign_add(1.0)  # held back: no error here
+        return "pushed"
+
+    def read():
+        return float(other.numpy())
+
+    pushed = coordinator.schedule(push)
+    after = [coordinator.schedule(read) for _ in range(3)]
+    with pytest.raises(LookupError, match="released"):
+        coordinator.join()
+    with pytest.raises(LookupError, match="released"):
+        pushed.fetch()
+    coordinator.join()  # raised once
+    for r in after:  # ran on the other trainer, or shared the failed message, or cancelled
+        try:
+            assert r.fetch() == 5.0
+        except (LookupError, dps.errors.CancelledError):
+            pass
+    assert coordinator.schedule(read).fetch() == 5.0
