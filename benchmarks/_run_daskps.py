@@ -22,6 +22,7 @@ from _workloads import (
     dense_init,
     small_grads,
     small_init,
+    timed_schedule,
 )
 from distributed import wait
 
@@ -35,18 +36,8 @@ def _pause():
 def _timed(coordinator, fn, args, steps: int, warmup: int, name: str = "") -> float:
     # Warm every trainer (a first batch imports code and opens connections there): work that
     # takes a while is spread over all of them.
-    for _ in range(4 * len(coordinator.strategy._worker_names)):
-        coordinator.schedule(_pause)
-    for _ in range(warmup):
-        coordinator.schedule(fn, args=args)
-    coordinator.join()
-
-    def run():
-        for _ in range(steps):
-            coordinator.schedule(fn, args=args)
-        coordinator.join()
-
-    return best_rate(name, steps, run)
+    pauses = [_pause] * (4 * len(coordinator.strategy._worker_names))
+    return timed_schedule(coordinator, fn, args, steps, warmup, name, first=pauses)
 
 
 def _noop():

@@ -18,11 +18,11 @@ from _workloads import (
     LR,
     SMALL_VARS,
     VOCAB,
-    best_rate,
     ctr_batches,
     dense_batches,
     dense_init,
     small_init,
+    timed_schedule,
 )
 
 
@@ -73,19 +73,6 @@ def _leaves(variables):
     return [s for v in variables for s in getattr(v, "variables", [v])]
 
 
-def _timed(coordinator, fn, args, steps: int, warmup: int, name: str = "") -> float:
-    for _ in range(warmup):
-        coordinator.schedule(fn, args=args)
-    coordinator.join()
-
-    def run():
-        for _ in range(steps):
-            coordinator.schedule(fn, args=args)
-        coordinator.join()
-
-    return best_rate(name, steps, run)
-
-
 def _dataset(tf, strategy, coordinator, make):
     def dataset_fn(ctx):
         batches = make(ctx.input_pipeline_id if ctx else 0)
@@ -97,7 +84,7 @@ def _dataset(tf, strategy, coordinator, make):
 
 def _tf_dispatch(tf, strategy, coordinator, steps: int) -> float:
     noop = tf.function(lambda: tf.constant(0))
-    return _timed(coordinator, noop, (), steps, warmup=100, name="dispatch")
+    return timed_schedule(coordinator, noop, (), steps, warmup=100, name="dispatch")
 
 
 def _tf_dense(tf, strategy, coordinator, steps: int) -> float:
@@ -120,7 +107,7 @@ def _tf_dense(tf, strategy, coordinator, steps: int) -> float:
         x, y = next(it)
         return strategy.run(replica, args=(x, y))
 
-    return BATCH * _timed(coordinator, step, (_dataset(tf, strategy, coordinator, dense_batches),), steps, 20)
+    return BATCH * timed_schedule(coordinator, step, (_dataset(tf, strategy, coordinator, dense_batches),), steps, 20)
 
 
 def _tf_ctr(tf, strategy, coordinator, steps: int) -> float:
@@ -145,7 +132,7 @@ def _tf_ctr(tf, strategy, coordinator, steps: int) -> float:
         ids, y = next(it)
         return strategy.run(replica, args=(ids, y))
 
-    return BATCH * _timed(coordinator, step, (_dataset(tf, strategy, coordinator, ctr_batches),), steps, 20)
+    return BATCH * timed_schedule(coordinator, step, (_dataset(tf, strategy, coordinator, ctr_batches),), steps, 20)
 
 
 def _tf_small(tf, strategy, coordinator, steps: int) -> float:
@@ -163,4 +150,4 @@ def _tf_small(tf, strategy, coordinator, steps: int) -> float:
 
         return strategy.run(replica)
 
-    return _timed(coordinator, step, (), steps, warmup=20)
+    return timed_schedule(coordinator, step, (), steps, warmup=20)

@@ -95,6 +95,26 @@ EXAMPLES_PER_STEP = {"dispatch": 1, "dense": BATCH, "ctr": BATCH, "small": 1}
 REPEATS = {"dispatch": 3}
 
 
+def timed_schedule(coordinator, fn, args, steps: int, warmup: int, name: str = "", first=()) -> float:
+    """Steps per second of ``steps`` calls of ``fn`` through ``coordinator.schedule`` and ``join``.
+
+    ``first`` (functions) and ``warmup`` calls of ``fn`` run untimed before.
+    Works with daskps' and TensorFlow's coordinators alike.
+    """
+    for f in first:
+        coordinator.schedule(f)
+    for _ in range(warmup):
+        coordinator.schedule(fn, args=args)
+    coordinator.join()
+
+    def run():
+        for _ in range(steps):
+            coordinator.schedule(fn, args=args)
+        coordinator.join()
+
+    return best_rate(name, steps, run)
+
+
 def best_rate(name: str, steps: int, run) -> float:
     """The best of ``REPEATS`` timings of ``run()`` (which does ``steps`` steps), in steps per second."""
     best = 0.0
