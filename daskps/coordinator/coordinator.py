@@ -358,14 +358,34 @@ class ClusterCoordinator:
         """Block until every scheduled function has finished.
 
         Raises the first error of a scheduled function, once, after cancelling
-        the functions still pending.
+        the functions still pending. Interrupted (``KeyboardInterrupt``), it
+        cancels every pending function before the interrupt goes on (see
+        :meth:`cancel`).
+        """
+        try:
+            with self._cond:
+                while self._pending and self._error is None:
+                    self._cond.wait(timeout=1.0)
+                if not self._pending:
+                    self._joined_at = self.stats["scheduled"]
+        except KeyboardInterrupt:  # Ctrl-C, a notebook's stop button: stop the work too
+            self.cancel()
+            raise
+        self._raise_pending_error()
+
+    def cancel(self) -> int:
+        """Cancel every pending function; return how many were pending.
+
+        Queued functions never start; a function already running finishes,
+        and the rest of its batch does not start. Their RemoteValues raise
+        :class:`~daskps.errors.CancelledError`. The coordinator is ready for
+        new work at once. ``join()`` and ``progress()`` call this when
+        interrupted (``KeyboardInterrupt``).
         """
         with self._cond:
-            while self._pending and self._error is None:
-                self._cond.wait(timeout=1.0)
-            if not self._pending:
-                self._joined_at = self.stats["scheduled"]
-        self._raise_pending_error()
+            pending = len(self._pending)
+        self._cancel_all()
+        return pending
 
     def done(self) -> bool:
         """Whether every scheduled function has finished (raises a pending error)."""

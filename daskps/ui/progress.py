@@ -107,7 +107,8 @@ def progress(coordinator: Any, metrics: dict[str, Any] | None = None, interval: 
 
     ``metrics`` maps names to ``dps.metrics`` objects (or zero-argument
     callables) shown with their latest values. Raises what ``join()``
-    raises. Returns the bar (``.last`` is its final line).
+    raises; interrupted, it cancels every pending function, as ``join()``
+    does. Returns the bar (``.last`` is its final line).
 
     >>> dps.progress(coordinator, {"loss": train_loss})        # doctest: +SKIP
     training [##############################] 240/240 steps 31.5/s loss=0.5072
@@ -121,6 +122,9 @@ def progress(coordinator: Any, metrics: dict[str, Any] | None = None, interval: 
             if s["in_flight"] == 0:
                 break
             time.sleep(interval)
+    except KeyboardInterrupt:  # as join(): the pending functions are cancelled
+        coordinator.cancel()
+        raise
     finally:
         bar.close()
     coordinator.join()
