@@ -20,12 +20,21 @@ array([[2., 3.],
 
 from __future__ import annotations
 
+import re
 from typing import Any
 from urllib.parse import quote
 
 import numpy as np
 
 SLOT = ".OPTIMIZER_SLOT"
+_PIECE_NAME = re.compile(r"[^/\\\x00]+\.npy")  # a file right inside the checkpoint directory
+
+
+def piece_path(root: str, name: Any) -> str:
+    """The path of piece file ``name`` in ``root``; refuses names that would lead elsewhere."""
+    if not isinstance(name, str) or not _PIECE_NAME.fullmatch(name):
+        raise ValueError(f"checkpoint piece file {name!r} is not a .npy file inside the checkpoint directory")
+    return f"{root}/{name}"
 
 
 def slot_tensor(tensor: str, optimizer_path: str, slot: str) -> str:
@@ -64,14 +73,23 @@ def write_with_slots(
     return records
 
 
-def _read_npy_rows(fs: Any, path: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
-    """Rows ``[start, stop)`` of the ``.npy`` file at ``path`` (into ``out`` if it fits)."""
+def _read_npy_rows(fs: Any, path: str, start: int, stop: int, out: np.ndarray | None = None,
+                   piece: dict | None = None) -> np.ndarray:
+    """Rows ``[start, stop)`` of the ``.npy`` file at ``path`` (into ``out`` if it fits).
+
+    ``piece``: its manifest record; the file must hold the shape (and dtype) it says.
+    """
     with fs.open(path, "rb") as f:
         version = np.lib.format.read_magic(f)
         read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
         shape, fortran, dtype = read_header(f)
         if fortran:
             raise ValueError(f"{path} is stored in Fortran order; daskps writes C order only")
+        if piece is not None:
+            want_dtype = np.dtype(piece["dtype"]) if "dtype" in piece else dtype
+            if tuple(shape) != tuple(piece["shape"]) or dtype != want_dtype:
+                raise ValueError(f"{path} holds {dtype} {tuple(shape)}; the manifest says "
+                                 f"{want_dtype} {tuple(piece['shape'])}")
         header = f.tell()
         if not shape:
             return np.frombuffer(f.read(dtype.itemsize), dtype).reshape(())
@@ -94,14 +112,14 @@ def read_rows(
 ) -> np.ndarray:
     """Rows ``[start, stop)`` of a tensor stored as ``pieces`` (any split)."""
     if not row_shape and len(pieces) == 1 and pieces[0]["shape"] == []:
-        return _read_npy_rows(fs, f"{root}/{pieces[0]['file']}", 0, 1).astype(dtype)
+        return _read_npy_rows(fs, piece_path(root, pieces[0]["file"]), 0, 1, piece=pieces[0]).astype(dtype)
     out = np.empty((stop - start,) + tuple(row_shape), dtype)
     filled = 0
     for p in sorted(pieces, key=lambda p: p["offset"]):
         lo, hi = max(start, p["offset"]), min(stop, p["offset"] + p["rows"])
         if hi > lo:
             dest = out[lo - start : hi - start]
-            got = _read_npy_rows(fs, f"{root}/{p['file']}", lo - p["offset"], hi - p["offset"], dest)
+            got = _read_npy_rows(fs, piece_path(root, p["file"]), lo - p["offset"], hi - p["offset"], dest, piece=p)
             if got is not dest:
                 dest[...] = got
             filled += hi - lo

@@ -166,9 +166,10 @@ class Checkpoint:
     def _restore(self, path: str) -> dict:
         fs, root = fsspec.core.url_to_fs(path)
         try:
-            manifest = json.loads(fs.cat_file(f"{root}/{MANIFEST}"))
+            raw = fs.cat_file(f"{root}/{MANIFEST}")
         except FileNotFoundError:
             raise ValueError(f"no checkpoint at {path!r}: no {MANIFEST} (never written, or its save did not finish)") from None
+        manifest = _checked_manifest(raw, f"{path.rstrip('/')}/{MANIFEST}")
         tensors, optimizers = _collect(self._objects)
         saved = manifest["tensors"]
         slots_of = _slot_index(saved)
@@ -216,6 +217,68 @@ def _clear(fs: Any, root: str, path: str) -> None:
         raise ValueError(f"{path!r} exists and is not a daskps checkpoint; refusing to overwrite it")
     fs.rm(root, recursive=True)
     fs.makedirs(root, exist_ok=True)
+
+
+def _checked_manifest(raw: bytes, where: str) -> dict:
+    """The manifest in ``raw``, checked whole: a ``ValueError`` naming ``where`` and the fault otherwise.
+
+    Each piece must be a ``.npy`` file inside the checkpoint directory, and
+    each tensor's pieces must cover its rows exactly once. Each piece's dtype
+    is added to it, so the server reading it can check the file holds that.
+    """
+    def bad(what: str) -> ValueError:
+        return ValueError(f"malformed checkpoint manifest {where}: {what}; nothing was changed")
+
+    def count(value: Any) -> bool:
+        return type(value) is int and value >= 0
+
+    try:
+        manifest = json.loads(raw)
+    except ValueError as exc:
+        raise bad(f"not JSON ({exc})") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("tensors"), dict):
+        raise bad("no 'tensors' mapping")
+    if "save_counter" in manifest and not count(manifest["save_counter"]):
+        raise bad(f"save_counter {manifest['save_counter']!r} is not a non-negative int")
+    for name, entry in manifest["tensors"].items():
+        if not isinstance(entry, dict) or not {"dtype", "shape", "pieces"} <= entry.keys():
+            raise bad(f"tensor {name!r} lacks dtype, shape or pieces")
+        try:
+            dtype = np.dtype(entry["dtype"])
+        except (TypeError, ValueError):
+            raise bad(f"tensor {name!r}: dtype {entry['dtype']!r} is not a numpy dtype") from None
+        shape, pieces = entry["shape"], entry["pieces"]
+        if dtype.hasobject or not isinstance(shape, list) or not all(count(d) for d in shape):
+            raise bad(f"tensor {name!r}: dtype {dtype} / shape {shape!r} cannot be a variable's")
+        if entry.get("step") is not None and not count(entry["step"]):
+            raise bad(f"tensor {name!r}: step {entry['step']!r} is not a non-negative int")
+        if not isinstance(pieces, list) or not pieces:
+            raise bad(f"tensor {name!r} has no pieces")
+        covered = 0
+        for piece in sorted(pieces, key=lambda p: p.get("offset", -1) if isinstance(p, dict) else -1):
+            if not isinstance(piece, dict) or not all(k in piece for k in ("file", "offset", "rows", "shape")):
+                raise bad(f"tensor {name!r}: a piece lacks file, offset, rows or shape")
+            try:
+                ckpt_io.piece_path("", piece["file"])
+            except ValueError as exc:
+                raise bad(f"tensor {name!r}: {exc}") from None
+            p_shape = piece["shape"]
+            if not isinstance(p_shape, list) or not all(count(d) for d in p_shape):
+                raise bad(f"tensor {name!r}: piece {piece['file']!r} has shape {p_shape!r}")
+            if not shape:
+                if p_shape or len(pieces) != 1:
+                    raise bad(f"tensor {name!r} is a scalar but its pieces are {pieces!r}")
+                covered = 1
+            elif (piece["offset"] != covered or not count(piece["rows"]) or p_shape[1:] != shape[1:]
+                  or p_shape[:1] != [piece["rows"]]):
+                raise bad(f"tensor {name!r}: piece {piece['file']!r} (offset {piece['offset']!r}, rows "
+                          f"{piece['rows']!r}, shape {p_shape!r}) does not follow on at row {covered} of {shape}")
+            else:
+                covered += piece["rows"]
+            piece["dtype"] = dtype.str
+        if covered != (shape[0] if shape else 1):
+            raise bad(f"tensor {name!r}: its pieces cover {covered} of {shape[0] if shape else 1} rows")
+    return manifest
 
 
 def _tensors(records: list[dict]) -> dict[str, dict]:
@@ -300,6 +363,10 @@ class CheckpointManager:
             raise TypeError(f"checkpoint must be a daskps.Checkpoint, got {type(checkpoint).__name__}")
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
             raise ValueError(f"max_to_keep must be a positive int or None, got {max_to_keep!r}")
+        if not isinstance(checkpoint_name, str) or not re.fullmatch(r"[^/\\\x00]+", checkpoint_name) \
+                or checkpoint_name in (".", ".."):
+            raise ValueError(f"checkpoint_name must be a file name inside the directory (no '/', not '..'), "
+                             f"got {checkpoint_name!r}")
         self._checkpoint = checkpoint
         self._fs, self._root = fsspec.core.url_to_fs(directory)
         self._url = directory.rstrip("/")
@@ -326,6 +393,9 @@ class CheckpointManager:
 
     def save(self, checkpoint_number: int | None = None) -> str:
         """Write the next checkpoint, drop the oldest beyond ``max_to_keep``; return its path."""
+        if checkpoint_number is not None and (isinstance(checkpoint_number, bool) or not isinstance(
+                checkpoint_number, (int, np.integer)) or checkpoint_number < 0):
+            raise ValueError(f"checkpoint_number must be a non-negative int or None, got {checkpoint_number!r}")
         numbers = self._numbers()
         if checkpoint_number is None:
             checkpoint_number = max([self._checkpoint.save_counter, *numbers]) + 1
