@@ -185,6 +185,7 @@ def _train(config: DemoConfig, cluster, log) -> dict:
         coordinator.join()
         metrics = evaluate()
         path = manager.save()
+        assert path is not None  # no checkpoint_interval: every save writes
         history.append(metrics)
         rate = calls * k * batch / (time.perf_counter() - t0)
         log(f"epoch {epoch:>2}/{config.epochs}  train loss {float(train_loss.result()):.4f}  "

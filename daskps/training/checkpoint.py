@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +49,7 @@ from daskps.variables.variable import ShardedVariable, Variable
 __all__ = ["Checkpoint", "CheckpointManager"]
 
 MANIFEST = "manifest.json"
+PRESERVED = "PRESERVED"  # in a checkpoint kept for good by keep_checkpoint_every_n_hours
 
 
 class _Tensor:
@@ -146,7 +148,8 @@ class Checkpoint:
         show = progress if progress is not None else nbytes >= float(dask.config.get("daskps.progress-bytes", 256 << 20))
         run = lambda: protocol.save(path, items)  # noqa: E731
         records = _with_progress(run, f"saving {path}", nbytes, fs, root) if show else run()
-        manifest = {"format": "daskps-checkpoint/1", "save_counter": self.save_counter, "tensors": _tensors(records)}
+        manifest = {"format": "daskps-checkpoint/1", "save_counter": self.save_counter, "time": time.time(),
+                    "tensors": _tensors(records)}
         fs.pipe_file(f"{root}/{MANIFEST}.tmp", json.dumps(manifest, indent=1).encode())
         fs.mv(f"{root}/{MANIFEST}.tmp", f"{root}/{MANIFEST}")  # the commit point
         return path
@@ -334,6 +337,22 @@ def _saved_slots(slots_of: dict, tensor: str, opt_path: str) -> dict | None:
     return {"step": max(t["step"] or 0 for t in found.values()), "pieces": {s: t["pieces"] for s, t in found.items()}}
 
 
+def _written_at(fs: Any, root: str) -> float:
+    """When the checkpoint at ``root`` was committed (its manifest's time; 0 if it has none)."""
+    try:
+        return float(json.loads(fs.cat_file(f"{root}/{MANIFEST}")).get("time", 0.0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0.0
+
+
+def _step_of(counter: Any) -> int:
+    value = np.asarray(counter.numpy() if hasattr(counter, "numpy") else counter)
+    if value.shape != () or value.dtype.kind not in "iu":
+        raise ValueError(f"step_counter must be a scalar int variable (such as optimizer.iterations), "
+                         f"got {value.dtype} {value.shape}")
+    return int(value)
+
+
 def committed_numbers(fs: Any, root: str, name: str = "ckpt") -> list[int]:
     """Numbers ``n`` of the committed checkpoints ``root/{name}-{n}`` (with a manifest), ascending."""
     pattern = re.compile(rf"{re.escape(name)}-(\d+)/{MANIFEST}$")
@@ -351,14 +370,27 @@ class CheckpointManager:
         A local directory or any fsspec URL.
     max_to_keep : int or None
         ``None`` keeps every checkpoint.
+    keep_checkpoint_every_n_hours : float or None
+        A checkpoint leaving the newest ``max_to_keep`` is kept for good
+        (marked ``PRESERVED``, no longer managed) when at least this many
+        hours passed since the last one kept that way, as in TensorFlow.
     checkpoint_name : str
         Checkpoints are ``directory/{checkpoint_name}-{n}``.
+    step_counter : Variable or None
+        A scalar int variable (``optimizer.iterations``, say): with
+        ``checkpoint_interval``, the step count :meth:`save` looks at.
+    checkpoint_interval : int or None
+        ``save()`` writes only once ``step_counter`` moved on by at least this
+        many steps since the last save, so a loop may call it after every
+        ``join()``. Needs ``step_counter``.
     init_fn : callable, optional
         Called by :meth:`restore_or_initialize` when there is nothing to restore.
     """
 
     def __init__(self, checkpoint: Checkpoint, directory: str, max_to_keep: int | None = 5,
-                 checkpoint_name: str = "ckpt", init_fn: Callable[[], Any] | None = None):
+                 keep_checkpoint_every_n_hours: float | None = None, checkpoint_name: str = "ckpt",
+                 step_counter: Any = None, checkpoint_interval: int | None = None,
+                 init_fn: Callable[[], Any] | None = None):
         if not isinstance(checkpoint, Checkpoint):
             raise TypeError(f"checkpoint must be a daskps.Checkpoint, got {type(checkpoint).__name__}")
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
@@ -367,19 +399,46 @@ class CheckpointManager:
                 or checkpoint_name in (".", ".."):
             raise ValueError(f"checkpoint_name must be a file name inside the directory (no '/', not '..'), "
                              f"got {checkpoint_name!r}")
+        hours = keep_checkpoint_every_n_hours
+        if hours is not None and (isinstance(hours, bool) or not isinstance(hours, (int, float)) or not hours > 0):
+            raise ValueError(f"keep_checkpoint_every_n_hours must be a positive number or None, got {hours!r}")
+        if checkpoint_interval is not None:
+            if isinstance(checkpoint_interval, bool) or not isinstance(checkpoint_interval, int) \
+                    or checkpoint_interval < 1:
+                raise ValueError(f"checkpoint_interval must be a positive int or None, got {checkpoint_interval!r}")
+            if step_counter is None:
+                raise ValueError("checkpoint_interval needs step_counter (a scalar int variable, such as "
+                                 "optimizer.iterations) to count steps by")
+            _step_of(step_counter)  # refuses what is not a scalar int
         self._checkpoint = checkpoint
         self._fs, self._root = fsspec.core.url_to_fs(directory)
         self._url = directory.rstrip("/")
         self._name = checkpoint_name
         self._max_to_keep = max_to_keep
+        self._keep_hours = hours
+        self._step_counter = step_counter
+        self._interval = checkpoint_interval
+        self._last_step: int | None = None
         self._init_fn = init_fn
+        preserved = [_written_at(self._fs, self._checkpoint_root(n)) for n in self._preserved()]
+        self._last_preserved = max(preserved) if preserved else time.time() - 1.0
 
     @property
     def directory(self) -> str:
         return self._url
 
+    def _checkpoint_root(self, n: int) -> str:
+        return f"{self._root}/{self._name}-{n}"
+
+    def _preserved(self) -> list[int]:
+        pattern = re.compile(rf"{re.escape(self._name)}-(\d+)/{PRESERVED}$")
+        found = self._fs.glob(f"{self._root}/{self._name}-*/{PRESERVED}")
+        return sorted(int(m.group(1)) for p in found if (m := pattern.search(p)))
+
     def _numbers(self) -> list[int]:
-        return committed_numbers(self._fs, self._root, self._name)
+        """The managed checkpoints: committed ones, less those preserved for good."""
+        kept = set(self._preserved()) if self._keep_hours is not None else set()
+        return [n for n in committed_numbers(self._fs, self._root, self._name) if n not in kept]
 
     @property
     def checkpoints(self) -> list[str]:
@@ -391,11 +450,22 @@ class CheckpointManager:
         paths = self.checkpoints
         return paths[-1] if paths else None
 
-    def save(self, checkpoint_number: int | None = None) -> str:
-        """Write the next checkpoint, drop the oldest beyond ``max_to_keep``; return its path."""
+    def save(self, checkpoint_number: int | None = None, check_interval: bool = True) -> str | None:
+        """Write the next checkpoint, drop the oldest beyond ``max_to_keep``; return its path.
+
+        With ``checkpoint_interval``: returns ``None`` without writing when
+        ``step_counter`` has not moved since the last save, or (with
+        ``check_interval``) moved by less than the interval.
+        """
         if checkpoint_number is not None and (isinstance(checkpoint_number, bool) or not isinstance(
                 checkpoint_number, (int, np.integer)) or checkpoint_number < 0):
             raise ValueError(f"checkpoint_number must be a non-negative int or None, got {checkpoint_number!r}")
+        if self._interval is not None:
+            step = _step_of(self._step_counter)
+            if self._last_step is not None and (
+                    step == self._last_step or (check_interval and step < self._last_step + self._interval)):
+                return None
+            self._last_step = step
         numbers = self._numbers()
         if checkpoint_number is None:
             checkpoint_number = max([self._checkpoint.save_counter, *numbers]) + 1
@@ -403,7 +473,12 @@ class CheckpointManager:
         path = self._checkpoint.write(f"{self._url}/{self._name}-{checkpoint_number}")
         if self._max_to_keep is not None:
             for n in self._numbers()[: -self._max_to_keep]:
-                self._fs.rm(f"{self._root}/{self._name}-{n}", recursive=True)
+                written = _written_at(self._fs, self._checkpoint_root(n))
+                if self._keep_hours is not None and written - self._last_preserved >= 3600 * self._keep_hours:
+                    self._fs.pipe_file(f"{self._checkpoint_root(n)}/{PRESERVED}", b"")  # kept for good
+                    self._last_preserved = written
+                else:
+                    self._fs.rm(self._checkpoint_root(n), recursive=True)
         return path
 
     def restore_or_initialize(self) -> str | None:
