@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 import dask.config
-from distributed import Client, Nanny, Scheduler, SpecCluster, Worker
+from distributed import Client, Nanny, Scheduler, Security, SpecCluster, Worker
 
 from daskps.ui.dashboard import register_page
 
@@ -44,6 +44,13 @@ class LocalPSCluster(SpecCluster):
         ...: where ``SidecarEvaluator`` runs evaluations.
     memory_limit : str or int, optional
         Passed to every worker.
+    security : distributed.Security or bool, optional
+        TLS for every connection: the scheduler, every worker and Nanny,
+        the clients and the parameter-server traffic (which then goes
+        through Dask's encrypted comms). ``True`` makes a temporary
+        certificate authority for this cluster (needs ``cryptography``:
+        ``pip install "daskps[tls]"``); a client needs ``cluster.security``
+        to connect (``cluster.get_client()`` has it).
     **kwargs
         Passed to ``distributed.SpecCluster`` (``silence_logs``, ``name``, ...).
 
@@ -63,6 +70,7 @@ class LocalPSCluster(SpecCluster):
         num_evaluators: int = 0,
         memory_limit: Any = None,
         dashboard_address: str = f"{LOCALHOST}:0",
+        security: Security | bool | None = None,
         **kwargs: Any,
     ):
         checks = (("num_ps", num_ps, 0), ("num_workers", num_workers, 0),
@@ -70,10 +78,22 @@ class LocalPSCluster(SpecCluster):
         for arg, value, low in checks:
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{arg} must be an int >= {low}, got {value!r}")
+        if security is True:
+            try:
+                security = Security.temporary()
+            except ImportError as exc:
+                raise ImportError('LocalPSCluster(security=True) needs cryptography: pip install "daskps[tls]"') from exc
+        elif security is False:
+            security = None
+        if security is not None and not isinstance(security, Security):
+            raise TypeError(f"security must be a distributed.Security, True or None, got {type(security).__name__}")
+        tls = security is not None and bool(security.require_encryption)
         self.num_ps = num_ps
         self.num_workers = num_workers
         cls = Nanny if processes else Worker
         base: dict[str, Any] = {"nthreads": threads_per_worker, "host": LOCALHOST}
+        if security is not None:
+            base.update(security=security, protocol="tls://" if tls else None)
         if memory_limit is not None:
             base["memory_limit"] = memory_limit
         if processes:
@@ -86,10 +106,13 @@ class LocalPSCluster(SpecCluster):
         workers = {f"ps-{i}": spec("ps") for i in range(num_ps)}
         workers.update({f"worker-{i}": spec("worker") for i in range(num_workers)})
         workers.update({f"evaluator-{i}": spec("evaluator") for i in range(num_evaluators)})
-        scheduler = {
+        scheduler: dict[str, Any] = {
             "cls": Scheduler,
             "options": {"host": LOCALHOST, "port": 0, "dashboard_address": dashboard_address},
         }
+        if security is not None:
+            scheduler["options"].update(security=security, protocol="tls://" if tls else None)
+            kwargs["security"] = security
         kwargs.setdefault("silence_logs", "error")
         register_page()  # the parameter-server page, before the scheduler starts
         with dask.config.set(_unset(self.quiet_config)):

@@ -1,0 +1,56 @@
+"""LocalPSCluster(security=...): TLS end to end, parameter-server traffic included."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from distributed import Client
+from distributed.security import Security
+
+import daskps as dps
+from daskps.distribute.cluster import cluster_workers
+
+pytest.importorskip("cryptography")  # the [tls] extra (in [test] too)
+
+
+def test_a_tls_cluster_trains_and_refuses_clients_without_its_certificates():
+    with dps.LocalPSCluster(num_ps=2, num_workers=2, security=Security.temporary()) as cluster:
+        assert cluster.scheduler_address.startswith("tls://127.0.0.1:")
+        with cluster.get_client() as client:
+            workers = cluster_workers(client)
+            assert len(workers) == 4 and all(addr.startswith("tls://127.0.0.1:") for addr in workers)
+            with dps.ParameterServerStrategy(client, variable_partitioner=dps.partitioners.FixedShardsPartitioner(2)) as strategy:
+                assert all(server.channel is None for server in strategy._ps)  # no plain-TCP side door
+                coordinator = dps.ClusterCoordinator(strategy)
+                with strategy.scope():
+                    w = dps.Variable(np.zeros((4, 2), np.float32), name="w")
+                    opt = dps.optimizers.SGD(0.5)
+
+                def step():
+                    opt.apply_gradients([(np.ones((4, 2), np.float32), w)])
+                    return float(np.asarray(w).sum())
+
+                results = [coordinator.schedule(step) for _ in range(10)]
+                coordinator.join()
+                np.testing.assert_allclose(w.numpy(), np.full((4, 2), -5.0))
+                assert min(r.fetch() for r in results) < 0
+        with pytest.raises((TypeError, OSError)):  # no certificates at all
+            Client(cluster.scheduler_address, timeout="5s")
+        with pytest.raises(OSError):  # certificates of another authority
+            Client(cluster.scheduler_address, security=Security.temporary(), timeout="5s")
+
+
+def test_security_true_makes_a_temporary_authority():
+    with dps.LocalPSCluster(num_ps=1, num_workers=1, security=True, processes=False) as cluster:
+        assert cluster.scheduler_address.startswith("tls://")
+        assert cluster.security.require_encryption
+        with cluster.get_client() as client, dps.ParameterServerStrategy(client) as strategy:
+            with strategy.scope():
+                v = dps.Variable([1.0, 2.0])
+            v.assign_add([1.0, 1.0])
+            np.testing.assert_array_equal(v.numpy(), [2.0, 3.0])
+
+
+def test_security_must_be_a_security_object():
+    with pytest.raises(TypeError, match="security must be a distributed.Security"):
+        dps.LocalPSCluster(num_ps=1, num_workers=1, security="yes")
