@@ -29,7 +29,7 @@ array([[2., 2.],
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -211,3 +211,9 @@ def check_gradient_of_kind(shape: tuple, dtype: np.dtype, name: str, kind: str, 
     if arr.shape != tuple(shape):
         raise ValueError(f"gradient for variable {name!r} must have shape {tuple(shape)}, got {arr.shape}")
     return "dense", arr
+
+
+class Refused(NamedTuple):
+    """In place of a result: an operation run on its own (``isolate``) that raised ``error``."""
+
+    error: BaseException

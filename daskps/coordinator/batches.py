@@ -58,7 +58,7 @@ def run_batch(strategy_blob: bytes, topic: str, batch_key: str, batch: bytes) ->
     big: dict[int, Any] = {}
     with pipeline.pipelined() as pipe:
         reporter = _Reporter(worker, topic, batch_key, pipe)
-        for cid, blob in closures:
+        for i, (cid, blob) in enumerate(closures):
             if cid in reported:
                 continue  # ran before this task was moved here, and its result reached the coordinator
             if _cancelled(worker, batch_key):
@@ -73,7 +73,11 @@ def run_batch(strategy_blob: bytes, topic: str, batch_key: str, batch: bytes) ->
             reporter.finished(cid, status, payload, took)
             if status == ERROR or pipe.errors:
                 break
-            if reporter.overdue():  # the functions since touched no server that holds its pushes
+            following = closures[i + 1][1][0] if i + 1 < len(closures) else None
+            # Pushes wait for the next message to their server only while the same step repeats:
+            # other work next (which might take long, or wait for this result) gets them sent now.
+            # Also when a report has waited REPORT_EVERY: the functions since touched no such server.
+            if pipe.pending and (following is not blob[0] or reporter.overdue()):
                 with contextlib.suppress(Exception):  # a failed push is reported as its function's error
                     protocol.flush()
                 reporter.send()
@@ -172,7 +176,9 @@ def _run_one(strategy: Any, blob: tuple[bytes, bytes]) -> tuple[str, bytes | Non
 def _pickled_error(exc: BaseException) -> bytes:
     where = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:
-        return dumps((exc, where))
+        payload = dumps((exc, where))
+        pickle.loads(payload)  # some exceptions pickle but do not unpickle (extra __init__ arguments)
+        return payload
     except Exception:
         return dumps((RuntimeError(f"{type(exc).__name__}: {exc}"), where))
 

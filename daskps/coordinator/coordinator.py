@@ -51,8 +51,9 @@ from daskps._core.nest import map_structure
 from daskps._core.pickling import dumps_or_explain
 from daskps.coordinator.batches import BIG, ERROR, load_error, run_batch
 from daskps.coordinator.datasets import PerWorkerDataset
-from daskps.coordinator.remote import PENDING, RemoteValue, to_numpy
+from daskps.coordinator.remote import FAILED, PENDING, RemoteValue, to_numpy
 from daskps.distribute.strategy import ParameterServerStrategy
+from daskps.errors import CancelledError
 from daskps.ps import refs
 from daskps.ps.plugin import BATCH_TOPIC_PREFIX
 from daskps.ui.display import coordinator_html
@@ -271,7 +272,12 @@ class ClusterCoordinator:
                 if closure is None or closure.remote._state != PENDING or status == BIG:
                     continue  # cancelled meanwhile, or its (big) result comes with the batch
                 if status == ERROR:
-                    self._fail(closure, load_error(payload))
+                    try:
+                        error = load_error(payload)
+                    except Exception as exc:  # it pickled on the worker but does not unpickle here
+                        error = RuntimeError(f"a scheduled function raised an exception that cannot be "
+                                             f"rebuilt here ({type(exc).__name__}: {exc})")
+                    self._fail(closure, error)
                 else:
                     closure.remote._finish(payload)
                     self._done(closure)
@@ -303,9 +309,13 @@ class ClusterCoordinator:
                 error = exc
         elif future.status == "error":
             error = future._state.exception
+        elif future.status == "cancelled":  # not by us (we forget what we cancel): client.restart(), say
+            error = CancelledError(f"the Dask task of batch {key!r} was cancelled outside the coordinator "
+                                   "(client.restart() or client.cancel()); its functions did not all run")
         future.release()
         with self._cond:
             _, closures = self._batches.pop(key, (None, []))
+            failed = any(c.remote._state == FAILED for c in closures)
             for c in closures:
                 if c.remote._state != PENDING or c.id not in self._pending:
                     continue
@@ -314,7 +324,14 @@ class ClusterCoordinator:
                     self._done(c)
                 elif error is not None:
                     self._fail(c, error)
-                # else: not run, because an earlier function of the batch failed: cancelled when that is raised
+                elif failed:  # not run: an earlier function of its batch failed (the batch stops there)
+                    self._pending.pop(c.id, None)
+                    self.stats["cancelled"] += 1
+                    c.remote._cancel()
+                    self._cond.notify_all()
+                else:  # never reported, yet the batch ended: say so rather than wait forever
+                    self._fail(c, RuntimeError(f"scheduled function {c.id} of batch {key!r} ended without "
+                                               "reporting its result"))
         self._pump()
 
     # -- errors and waiting ----------------------------------------------------------

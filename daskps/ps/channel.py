@@ -193,7 +193,7 @@ class Channel:
         parts = _framed(wire.pack(ops, by_value))
         try:
             _send_all(self._connected(), [memoryview(p).cast("B") for p in parts])
-        except OSError:
+        except BaseException:  # an error or an interrupt part-way: the stream is out of step
             self.close()
             raise
 
@@ -204,7 +204,7 @@ class Channel:
             count = _COUNT.unpack(_receive(sock, 8))[0]
             sizes = struct.unpack(f"!{count}Q", _receive(sock, 8 * count))
             status, value = wire.unpack([_receive(sock, n) for n in sizes])
-        except OSError:
+        except BaseException:  # an error or an interrupt (Ctrl-C) part-way: the answer is not all read
             self.close()
             raise
         if status == "error":
@@ -222,7 +222,7 @@ class Channel:
     def dead(self) -> bool:
         """Whether the server has closed this connection (checked without waiting)."""
         if self._sock is None:
-            return True
+            return False  # not connected yet (or closed already): holds nothing
         if not self.lock.acquire(blocking=False):
             return False  # in use
         try:

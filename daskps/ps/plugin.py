@@ -77,7 +77,8 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
         ts = self.scheduler.tasks.get(batch_key) if self.scheduler is not None else None
         where = ts.processing_on.address if ts is not None and ts.processing_on is not None else None
         for function_id, status, *_ in finished:
-            reported.add(function_id)
+            if status != "big":  # a big value lives on its trainer until the batch ends: not safe yet
+                reported.add(function_id)
             if where is not None:
                 (self.failed if status == "error" else self.completed)[where] += 1
 

@@ -302,24 +302,31 @@ def _run(calls: Sequence[tuple[ServerRef, str, tuple]], owner: Any = None, flush
     held = {}
     if pipe is not None and pipe.pending:
         held = pipe.take(list(pipe.pending) if flush else {s for s, _, _ in calls})
-    batches: dict[ServerRef, Ops] = {s: list(ops) for s, ops in held.items()}
+    # Held pushes run each on its own ("isolate"): one the server refuses fails only its function.
+    batches: dict[ServerRef, Ops] = {s: [("isolate", (len(ops),)), *ops] for s, ops in held.items()}
     where = []
     for server, op, args in calls:
         ops = batches.setdefault(server, [])
         where.append((server, len(ops)))
         ops.append((op, args))
     local = batches.pop(LOCAL, None)
+    answers: dict = {}
     try:
-        results = _over_channels({s: ops for s, ops in batches.items() if s.channel}, owner)
+        results = _over_channels({s: ops for s, ops in batches.items() if s.channel}, owner, answers)
         rest = {s: ops for s, ops in batches.items() if not s.channel}
         if rest:
             results.update(transport_here(owner).run(rest))
     except BaseException as exc:
-        if held:
-            pipe.acknowledged(held, exc)  # type: ignore[union-attr]
+        for server in held:
+            got = answers.get(server)
+            if isinstance(got, list):  # this server answered
+                pipe.acknowledged(server, got[1 : 1 + len(held[server])])  # type: ignore[union-attr]
+            else:
+                isolated = getattr(got, "daskps_isolated", None)  # how its pushes went, if it said
+                pipe.acknowledged(server, isolated, exc if got is None else got)  # type: ignore[union-attr]
         raise
-    if held:
-        pipe.acknowledged(held)  # type: ignore[union-attr]
+    for server in held:
+        pipe.acknowledged(server, results[server][1 : 1 + len(held[server])])  # type: ignore[union-attr]
     if local is not None:
         results[LOCAL] = _LOCAL.run(local)
     return [results[s][i] for s, i in where]
@@ -328,8 +335,11 @@ def _run(calls: Sequence[tuple[ServerRef, str, tuple]], owner: Any = None, flush
 _CHANNELS: dict[str, channel.Channel] = {}
 
 
-def _over_channels(batches: dict[ServerRef, Ops], owner: Any) -> dict[ServerRef, list]:
-    """Send every batch on its server's channel, then read every answer (so all servers work at once)."""
+def _over_channels(batches: dict[ServerRef, Ops], owner: Any, answers: dict | None = None) -> dict[ServerRef, list]:
+    """Send every batch on its server's channel, then read every answer (so all servers work at once).
+
+    ``answers`` gets each server's results or error, also when one of them is raised.
+    """
     if not batches:
         return {}
     if owner is not None:
@@ -338,25 +348,35 @@ def _over_channels(batches: dict[ServerRef, Ops], owner: Any) -> dict[ServerRef,
     chans = [_channel(s.channel) for s in servers if s.channel]
     for ch in chans:
         ch.lock.acquire()
+    awaiting: list[channel.Channel] = []  # sent to, answer not read yet
     try:
         results, errors = {}, {}
         for server, ch in zip(servers, chans):
             try:
                 ch.send(batches[server], carries_code(batches[server]))
+                awaiting.append(ch)
             except OSError as exc:
                 errors[server] = _lost(server, owner, exc)
         for server, ch in zip(servers, chans):
             if server in errors:
                 continue
             try:
+                awaiting.remove(ch)
                 results[server] = ch.receive()  # every answer is read, so each channel stays in step
             except OSError as exc:
                 errors[server] = _lost(server, owner, exc)
             except Exception as exc:
                 errors[server] = exc
+        if answers is not None:
+            answers.update(results)
+            answers.update(errors)
         if errors:
             raise next(iter(errors.values()))
         return results
+    except BaseException:  # interrupted, or a message that would not pack: unread answers would
+        for ch in awaiting:  # come back as the answers to later requests
+            ch.close()
+        raise
     finally:
         for ch in chans:
             ch.lock.release()

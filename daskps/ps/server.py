@@ -21,6 +21,7 @@ client side.
 
 from __future__ import annotations
 
+import pickle
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -31,12 +32,21 @@ import numpy as np
 
 from daskps._core import ckpt_io, transforms
 from daskps._core.arrays import build_part, materialize
-from daskps._core.updates import apply_update, check_gradient_of_kind, check_update
+from daskps._core.updates import Refused, apply_update, check_gradient_of_kind, check_update
 
 OPS = frozenset({
     "create", "read", "update", "add_optimizer", "apply_gradients", "put_blob", "get_blob",
     "acquire", "release", "forget_place", "save", "stage_restore", "commit_restore", "abort_restore", "stats",
 })
+
+
+def _sendable(exc: Exception) -> Exception:
+    """``exc``, or a RuntimeError saying what it was if it would not travel back by pickle."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
 def _take(array: np.ndarray, index: Any) -> np.ndarray:
@@ -91,12 +101,30 @@ class ParameterServer:
         """
         self.messages += 1
         self._shared_reads = shared_reads
-        results = []
-        for op, args in ops:
-            if op not in OPS:
-                raise ValueError(f"unknown parameter-server operation {op!r}")
-            self.calls[op] += 1
-            results.append(getattr(self, op)(*args))
+        results: list[Any] = []
+        isolated = 0  # how many of the next operations run on their own: ("isolate", (n,))
+        outcomes = 0
+        try:
+            for op, args in ops:
+                if op == "isolate" and not results:
+                    isolated = outcomes = int(args[0])
+                    results.append(None)
+                    continue
+                if op not in OPS:
+                    raise ValueError(f"unknown parameter-server operation {op!r}")
+                self.calls[op] += 1
+                if isolated:
+                    isolated -= 1
+                    try:
+                        results.append(getattr(self, op)(*args))
+                    except Exception as exc:  # that one changed nothing; the others go on
+                        results.append(Refused(_sendable(exc)))
+                else:
+                    results.append(getattr(self, op)(*args))
+        except Exception as exc:  # the isolated operations ran: say how each went
+            if outcomes and len(results) > outcomes:
+                exc.daskps_isolated = results[1 : 1 + outcomes]  # type: ignore[attr-defined]
+            raise
         return results
 
     def _where(self) -> str:

@@ -1,0 +1,200 @@
+"""Edge cases of the batched coordinator: every RemoteValue settles (errors, big results, kills, restarts, interrupts)."""
+
+import os
+import signal
+import threading
+import time
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+from distributed import Event, Variable
+
+import daskps as dps
+from daskps._core.transforms import SGDState
+
+from .conftest import kill_worker, wait_for_worker
+
+
+def _boom():
+    raise ValueError("boom")
+
+
+def _ok(i):
+    return i
+
+
+def _in_thread(fn, timeout):
+    """Run ``fn`` in a daemon thread; return ('ok', value), ('raised', exc) or ('blocked', None)."""
+    out = {}
+
+    def target():
+        try:
+            out["r"] = ("ok", fn())
+        except BaseException as exc:  # noqa: BLE001
+            out["r"] = ("raised", exc)
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(timeout)
+    return out.get("r", ("blocked", None))
+
+
+def test_fetch_after_a_failed_function_of_the_same_batch_does_not_hang(coordinator):
+    # Holding the coordinator's (reentrant) lock keeps the pump off until all four are queued:
+    # with 2 trainers and no durations known yet, the split is [boom, ok0], [ok1, ok2].
+    with coordinator._cond:
+        boom = coordinator.schedule(_boom)
+        rvs = [coordinator.schedule(_ok, args=(i,)) for i in range(3)]
+    try:
+        assert rvs[2].fetch() == 2  # the other batch is done
+        with pytest.raises(ValueError):
+            boom.fetch()  # the failed function itself has reported
+        state = _in_thread(rvs[0].fetch, 20)
+        assert state[0] != "blocked", (
+            "RemoteValue.fetch() of the function after a failed one in its batch is still blocked "
+            f"20 s after the batch ended ({rvs[0]!r}); only join/done/schedule would release it"
+        )
+    finally:
+        with pytest.raises(ValueError):
+            coordinator.join()
+
+
+def test_a_refused_push_fails_only_its_own_function(strategy, coordinator):
+    class Picky(NamedTuple):  # refuses negative gradients on the server
+        learning_rate: float = 1.0
+
+        def init(self, param):
+            return SGDState(0, None)
+
+        def update(self, grad, state, param):
+            if np.any(grad < 0):
+                raise ValueError("negative gradient refused")
+            return grad * -param.dtype.type(self.learning_rate), SGDState(state.count + 1)
+
+    with strategy.scope():
+        v = dps.Variable(np.zeros(2, np.float32), name="picky_v")
+        opt = dps.optimizers.Optimizer(Picky(), name="picky")
+
+    def push(g):
+        opt.apply_gradients([(np.full(2, g, np.float32), v)])
+
+    with coordinator._cond:  # one batch [good, bad] (and one of two no-ops)
+        good = coordinator.schedule(push, args=(1.0,))
+        bad = coordinator.schedule(push, args=(-1.0,))
+        for _ in range(2):
+            coordinator.schedule(_ok, args=(0,))
+    with pytest.raises(ValueError, match="negative gradient"):
+        coordinator.join()
+    assert v.numpy().tolist() == [-1.0, -1.0]  # good's gradient was applied, bad's refused
+    with pytest.raises(ValueError, match="negative gradient"):
+        bad.fetch()
+    good_state = _in_thread(good.fetch, 10)
+    assert good_state == ("ok", None), (
+        f"good's push was applied, yet its RemoteValue reports {good_state!r} (bad's error)"
+    )
+
+
+def _big():
+    return np.ones(100_000)  # 800 kB: too big for the event, comes back with the batch's result
+
+
+def _block(gate, which):
+    from distributed import Event, Variable, get_worker
+
+    Variable(which).set(get_worker().name)
+    Event(gate).wait()
+    return "released"
+
+
+def test_a_big_result_survives_its_trainer_dying_later_in_the_batch(fresh_cluster):
+    cluster, client = fresh_cluster
+    strategy = dps.ParameterServerStrategy(client)
+    coordinator = dps.ClusterCoordinator(strategy)
+    gate = Event("edges-big-gate", client=client)
+    which = Variable("edges-big-which", client=client)
+    with coordinator._cond:  # batches [big, block], [ok0, ok1]
+        big = coordinator.schedule(_big)
+        blocked = coordinator.schedule(_block, args=("edges-big-gate", "edges-big-which"))
+        others = [coordinator.schedule(_ok, args=(i,)) for i in range(2)]
+    name = which.get(timeout=60)
+    time.sleep(1.0)  # big has reported (status "big") through the scheduler: the plugin counts it done
+    old = kill_worker(client, name)
+    gate.set()
+    wait_for_worker(client, name, old)
+    assert _in_thread(blocked.fetch, 60) == ("ok", "released")
+    assert [o.fetch() for o in others] == [0, 1]
+    state = _in_thread(big.fetch, 30)
+    assert state[0] == "ok", (
+        f"the big result of a function whose trainer died later in its batch never arrives: "
+        f"{big!r}, join would hang (pending={coordinator.summary()['in_flight']})"
+    )
+
+
+class TwoArgError(Exception):
+    def __init__(self, message, code):
+        super().__init__(message)
+        self.code = code
+
+
+def _raise_two_arg():
+    raise TwoArgError("bad", 3)
+
+
+def test_an_error_that_does_not_unpickle_still_fails_join(coordinator):
+    rv = coordinator.schedule(_raise_two_arg)
+    state = _in_thread(coordinator.join, 20)
+    assert state[0] == "raised", (
+        f"join() still blocked 20 s after the function failed ({rv!r}): the event handler died "
+        "unpickling the exception"
+    )
+
+
+def _interrupt(*_):
+    raise KeyboardInterrupt
+
+
+def test_an_interrupted_read_leaves_the_channel_in_step(strategy, client):
+    with strategy.scope():
+        vs = [dps.Variable(np.full(3, float(i)), name=f"chan_{i}") for i in range(4)]
+    server = vs[0]._ref.server
+    a, b = [v for v in vs if v._ref.server == server][:2]
+    assert server.channel, "no direct channel on this cluster"
+    assert a.numpy().tolist() == [0.0] * 3  # channel open
+    expect_b = b.numpy().tolist()
+
+    # Keep the server's event loop busy for 2 s (as a long operation would).
+    busy = threading.Thread(target=client.run, args=(time.sleep, 2.0), kwargs={"workers": [server.address]})
+    busy.start()
+    time.sleep(0.3)
+    old = signal.signal(signal.SIGUSR1, _interrupt)
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGUSR1))
+    try:
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):  # Ctrl-C in a notebook during a read
+            a.numpy()
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, old)
+    busy.join()
+    got = b.numpy().tolist()
+    assert got == expect_b, f"b.numpy() returned {got} (a's stale answer), not {expect_b}"
+
+
+def _sleep_forever_ish(gate):
+    from distributed import Event
+
+    Event(gate).wait(120)
+    return "late"
+
+
+def test_a_batch_cancelled_outside_the_coordinator_does_not_hang_join(fresh_cluster):
+    """A batch future cancelled by Dask (here client.restart()) fails its functions instead of leaving them pending."""
+    cluster, client = fresh_cluster
+    strategy = dps.ParameterServerStrategy(client)
+    coordinator = dps.ClusterCoordinator(strategy)
+    rv = coordinator.schedule(_sleep_forever_ish, args=("edges-restart-gate",))
+    time.sleep(2.0)
+    client.restart()
+    state = _in_thread(coordinator.join, 60)
+    assert state[0] != "blocked", f"join() still blocked 60 s after client.restart(): {rv!r}"
