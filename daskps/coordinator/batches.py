@@ -28,6 +28,7 @@ import time
 import traceback
 from typing import Any
 
+from distributed.core import Status
 from distributed.protocol.pickle import dumps
 from distributed.utils import sync
 from distributed.worker import get_worker
@@ -39,6 +40,7 @@ from daskps.ps import pipeline, protocol, refs
 from daskps.ps.plugin import REPORTED_HANDLER
 
 OK, BIG, ERROR = "ok", "big", "error"
+_LEAVING = frozenset({Status.closing_gracefully, Status.closing, Status.closed, Status.failed})
 # Functions finishing this close together are reported in one event.
 REPORT_EVERY = 0.02
 # Results up to this size ride in the event; bigger ones come back with the task.
@@ -143,6 +145,14 @@ class _Reporter:
 
 
 def _cancelled(worker: Any, key: str) -> bool:
+    """Whether the batch should stop: its task was cancelled, or this worker is leaving.
+
+    A worker retiring (``client.retire_workers``) or closing has its batch
+    run again elsewhere; stopping here keeps both from running the same
+    functions.
+    """
+    if worker.status in _LEAVING:
+        return True
     ts = worker.state.tasks.get(key)
     return ts is None or ts.state == "cancelled"
 
