@@ -80,13 +80,16 @@ def run_batch(strategy_blob: bytes, topic: str, batch_key: str, batch: bytes) ->
             # other work next (which might take long, or wait for this result) gets them sent now.
             # Also when a report has waited REPORT_EVERY: the functions since touched no such server.
             if pipe.pending and (following is not blob[0] or reporter.overdue()):
-                with contextlib.suppress(Exception):  # a failed push is reported as its function's error
-                    protocol.flush()
-                reporter.send()
-        with contextlib.suppress(Exception):  # a failed push is reported as its function's error
-            protocol.flush()
-        reporter.send(final=True)
+                _settle(reporter)
+        _settle(reporter, final=True)
     return big
+
+
+def _settle(reporter: _Reporter, final: bool = False) -> None:
+    """Send the held pushes and report the functions they held back."""
+    with contextlib.suppress(Exception):  # a failed push is reported as its function's error
+        protocol.flush()
+    reporter.send(final=final)
 
 
 class _Reporter:

@@ -353,10 +353,10 @@ def _step_of(counter: Any) -> int:
     return int(value)
 
 
-def committed_numbers(fs: Any, root: str, name: str = "ckpt") -> list[int]:
-    """Numbers ``n`` of the committed checkpoints ``root/{name}-{n}`` (with a manifest), ascending."""
-    pattern = re.compile(rf"{re.escape(name)}-(\d+)/{MANIFEST}$")
-    found = fs.glob(f"{root}/{name}-*/{MANIFEST}")
+def committed_numbers(fs: Any, root: str, name: str = "ckpt", marker: str = MANIFEST) -> list[int]:
+    """Numbers ``n`` of the checkpoints ``root/{name}-{n}`` holding ``marker`` (committed: a manifest), ascending."""
+    pattern = re.compile(rf"{re.escape(name)}-(\d+)/{re.escape(marker)}$")
+    found = fs.glob(f"{root}/{name}-*/{marker}")
     return sorted(int(m.group(1)) for p in found if (m := pattern.search(p)))
 
 
@@ -431,9 +431,7 @@ class CheckpointManager:
         return f"{self._root}/{self._name}-{n}"
 
     def _preserved(self) -> list[int]:
-        pattern = re.compile(rf"{re.escape(self._name)}-(\d+)/{PRESERVED}$")
-        found = self._fs.glob(f"{self._root}/{self._name}-*/{PRESERVED}")
-        return sorted(int(m.group(1)) for p in found if (m := pattern.search(p)))
+        return committed_numbers(self._fs, self._root, self._name, marker=PRESERVED)
 
     def _numbers(self) -> list[int]:
         """The managed checkpoints: committed ones, less those preserved for good."""
