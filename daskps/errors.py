@@ -9,6 +9,8 @@ The hierarchy::
     ├── OutOfRangeError         a per-worker iterator is exhausted
     └── NotScheduledError       a worker-only API used outside a scheduled function
 
+    RollbackWarning             a lost parameter server was re-created and rolled back to a checkpoint
+
 Bad arguments raise the built-in ``ValueError``, ``TypeError`` or
 ``IndexError`` with a message naming the argument; those are not listed here.
 """
@@ -22,6 +24,7 @@ __all__ = [
     "NotScheduledError",
     "OutOfRangeError",
     "PSUnavailableError",
+    "RollbackWarning",
 ]
 
 
@@ -60,3 +63,12 @@ class OutOfRangeError(DaskPSError):
 
 class NotScheduledError(DaskPSError, RuntimeError):
     """A worker-side API was used outside a function run by a worker."""
+
+
+class RollbackWarning(UserWarning):
+    """A lost parameter server was re-created and its variables restored from a checkpoint.
+
+    Given by a ``ClusterCoordinator`` that has a checkpoint manager. The
+    message names the variables rolled back, the checkpoint, and how many
+    finished functions' updates to them were lost.
+    """

@@ -47,14 +47,21 @@ REPORT_EVERY = 0.02
 INLINE_BYTES = 64 << 10
 
 
-def run_batch(strategy_blob: bytes, topic: str, batch_key: str, batch: bytes) -> dict[int, Any]:
+def run_batch(strategy_blob: bytes, topic: str, batch_key: str, batch: bytes,
+              moves: dict[str, protocol.ServerRef] | None = None) -> dict[int, Any]:
     """Run the pickled ``[(function id, (pickled fn, pickled (args, kwargs))), ...]`` in order; return big results.
 
     Pushes are pipelined (:mod:`daskps.ps.pipeline`): a function is reported
-    once its pushes have been applied, in schedule order.
+    once its pushes have been applied, in schedule order. ``moves`` names the
+    parameter servers re-created after a loss (old actor key -> new server):
+    handles here follow them.
     """
     worker = get_worker()
+    if moves:
+        refs.follow(moves)
     strategy = pickle.loads(strategy_blob)
+    if protocol.MOVED:  # a view of the strategy made before a server moved
+        strategy._ps = [protocol.current(s) for s in strategy._ps]
     closures = pickle.loads(batch)
     reported = set(sync(worker.loop, getattr(worker.scheduler, REPORTED_HANDLER), key=batch_key))
     big: dict[int, Any] = {}

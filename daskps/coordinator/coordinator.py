@@ -31,6 +31,7 @@ than once if its trainer dies before its result reached the coordinator
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import contextlib
 import functools
@@ -39,6 +40,7 @@ import math
 import pickle
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -49,13 +51,15 @@ from distributed import Client
 
 from daskps._core.nest import map_structure
 from daskps._core.pickling import dumps_or_explain
+from daskps.coordinator import recovery
 from daskps.coordinator.batches import BIG, ERROR, load_error, run_batch
 from daskps.coordinator.datasets import PerWorkerDataset
 from daskps.coordinator.remote import FAILED, PENDING, RemoteValue, to_numpy
 from daskps.distribute.strategy import ParameterServerStrategy
-from daskps.errors import CancelledError
-from daskps.ps import refs
+from daskps.errors import CancelledError, PSUnavailableError, RollbackWarning
+from daskps.ps import protocol, refs
 from daskps.ps.plugin import BATCH_TOPIC_PREFIX
+from daskps.training.checkpoint import CheckpointManager
 from daskps.ui.display import coordinator_html
 
 __all__ = ["ClusterCoordinator", "RemoteValue"]
@@ -64,13 +68,18 @@ __all__ = ["ClusterCoordinator", "RemoteValue"]
 BATCH_SECONDS = 0.2
 
 
+# How many times one function is run again after losses of parameter servers before its error stands.
+MAX_RERUNS = 3
+
+
 class _Closure:
     """One scheduled function: its pickle, what it keeps alive, its RemoteValue."""
 
-    __slots__ = ("id", "blob", "kept", "remote")
+    __slots__ = ("id", "blob", "kept", "remote", "reruns")
 
     def __init__(self, cid: int, blob: tuple[bytes, bytes], kept: list[Any], remote: RemoteValue):
         self.id, self.blob, self.kept, self.remote = cid, blob, kept, remote
+        self.reruns = 0
 
 
 def _refuse_remote_values(structure: Any, arg: str) -> None:
@@ -122,6 +131,15 @@ class ClusterCoordinator:
     Parameters
     ----------
     strategy : ParameterServerStrategy
+    checkpoint_manager : CheckpointManager, optional
+        With one, a parameter server lost during training is re-created and
+        restored from the manager's latest checkpoint, and the functions that
+        failed because of the loss run again: ``join()`` does not raise (see
+        :mod:`daskps.coordinator.recovery`; a :class:`~daskps.errors.RollbackWarning`
+        says what was rolled back). Given to an existing coordinator (calling
+        ``ClusterCoordinator(strategy, checkpoint_manager=...)`` again), it
+        replaces the one it had. Without one, the loss raises
+        :class:`~daskps.errors.PSUnavailableError`.
 
     Examples
     --------
@@ -137,9 +155,12 @@ class ClusterCoordinator:
     array(10., dtype=float32)
     """
 
-    def __new__(cls, strategy: ParameterServerStrategy) -> ClusterCoordinator:
+    def __new__(cls, strategy: ParameterServerStrategy, checkpoint_manager: Any = None) -> ClusterCoordinator:
         if not isinstance(strategy, ParameterServerStrategy):
             raise TypeError(f"strategy must be a ParameterServerStrategy, got {type(strategy).__name__}")
+        if checkpoint_manager is not None and not isinstance(checkpoint_manager, CheckpointManager):
+            raise TypeError(f"checkpoint_manager must be a dps.CheckpointManager or None, "
+                            f"got {type(checkpoint_manager).__name__}")
         if strategy.client is None:
             raise RuntimeError("a ClusterCoordinator can only be made on the coordinator, not on a worker")
         strategy._check_open("ClusterCoordinator(strategy)")
@@ -147,7 +168,21 @@ class ClusterCoordinator:
             self = super().__new__(cls)
             self._setup(strategy)
             strategy._coordinator = self
+        if checkpoint_manager is not None:
+            strategy._coordinator._set_manager(checkpoint_manager)
         return strategy._coordinator
+
+    def __init__(self, strategy: ParameterServerStrategy, checkpoint_manager: Any = None):
+        pass  # all done in __new__ (a second call returns the same coordinator)
+
+    def _set_manager(self, manager: CheckpointManager) -> None:
+        self._manager: CheckpointManager | None = manager
+        manager._coordinator = weakref.ref(self)
+
+    @property
+    def checkpoint_manager(self) -> CheckpointManager | None:
+        """The manager lost parameter servers are restored from, if any."""
+        return self._manager
 
     def _setup(self, strategy: ParameterServerStrategy) -> None:
         self._strategy = strategy
@@ -174,6 +209,11 @@ class ClusterCoordinator:
         self.last_error: BaseException | None = None
         self._created = time.monotonic()
         self._joined_at = 0  # functions scheduled before the last join() that found nothing pending
+        self._manager = None
+        self._recovering = False  # a lost server is being re-created: dispatch waits
+        self._lossy: set[str] = set()  # batches stopped by a lost server: their unrun functions run again
+        self._rerun = 0  # functions run again since the last recovery began
+        self.recoveries: list[Any] = []  # what each recovery did (daskps.coordinator.recovery.Recovered)
 
     @property
     def strategy(self) -> ParameterServerStrategy:
@@ -243,6 +283,9 @@ class ClusterCoordinator:
         trainers = max(1, len(self._strategy._worker_names))
         with self._cond:
             self._pump_queued = False
+            if self._recovering:
+                return  # resumed when the lost server is back
+            moves = dict(protocol.MOVED)
             batches: list[list[_Closure]] = []
             while self._queue:
                 batch = self._next_batch(trainers, len(self._batches) + len(batches))
@@ -254,7 +297,7 @@ class ClusterCoordinator:
                 # One bytes object: Dask walks every nested list and tuple of a task's arguments.
                 payload = pickle.dumps([(c.id, c.blob) for c in closures], protocol=5)
                 future = self._client.submit(
-                    run_batch, self._strategy_blob, self._topic, key, payload,
+                    run_batch, self._strategy_blob, self._topic, key, payload, moves,
                     key=key, resources={"worker": 1}, pure=False,
                 )
                 self._batches[key] = (future, closures)
@@ -277,7 +320,11 @@ class ClusterCoordinator:
                     except Exception as exc:  # it pickled on the worker but does not unpickle here
                         error = RuntimeError(f"a scheduled function raised an exception that cannot be "
                                              f"rebuilt here ({type(exc).__name__}: {exc})")
-                    self._fail(closure, error)
+                    if self._run_again(closure, error):
+                        self._lossy.add(batch_key)
+                    else:
+                        protocol.name_what_was_held(error)
+                        self._fail(closure, error)
                 else:
                     closure.remote._finish(payload)
                     self._done(closure)
@@ -316,6 +363,8 @@ class ClusterCoordinator:
         with self._cond:
             _, closures = self._batches.pop(key, (None, []))
             failed = any(c.remote._state == FAILED for c in closures)
+            lossy = key in self._lossy
+            self._lossy.discard(key)
             for c in closures:
                 if c.remote._state != PENDING or c.id not in self._pending:
                     continue
@@ -323,16 +372,67 @@ class ClusterCoordinator:
                     c.remote._finish(None, results[c.id])
                     self._done(c)
                 elif error is not None:
-                    self._fail(c, error)
+                    if not self._run_again(c, error):
+                        self._fail(c, error)
                 elif failed:  # not run: an earlier function of its batch failed (the batch stops there)
                     self._pending.pop(c.id, None)
                     self.stats["cancelled"] += 1
                     c.remote._cancel()
                     self._cond.notify_all()
+                elif lossy:  # not run: an earlier one failed because a parameter server was lost
+                    self._requeue(c)
                 else:  # never reported, yet the batch ended: say so rather than wait forever
                     self._fail(c, RuntimeError(f"scheduled function {c.id} of batch {key!r} ended without "
                                                "reporting its result"))
         self._pump()
+
+    # -- lost parameter servers --------------------------------------------------------
+    def _run_again(self, closure: _Closure, error: BaseException) -> bool:
+        """Whether ``closure``, failed with ``error``, is queued again because a parameter server was lost.
+
+        Only with a checkpoint manager; recovery starts unless it is under way
+        or the server was replaced already (a handle that had not heard).
+        """
+        if (self._manager is None or not isinstance(error, PSUnavailableError) or self._strategy.closed
+                or closure.reruns >= MAX_RERUNS):
+            return False
+        closure.reruns += 1
+        self._requeue(closure)
+        if not self._recovering and getattr(error, "server_key", None) not in protocol.MOVED:
+            self._recovering = True
+            self._rerun = 1
+            threading.Thread(target=self._recover, name="daskps-recover", daemon=True).start()
+        return True
+
+    def _requeue(self, closure: _Closure) -> None:
+        """Queue ``closure`` again, before the functions scheduled after it (under the lock)."""
+        if self._recovering:
+            self._rerun += 1
+        index = bisect.bisect_left([c.id for c in self._queue], closure.id)
+        self._queue.insert(index, closure)
+
+    def _recover(self) -> None:
+        """In a thread: re-create the lost servers, restore them, then let dispatch go on."""
+        report, error = None, None
+        try:
+            report = recovery.recover(self._strategy, self._manager, self.stats["done"])
+            if report is not None:
+                self._strategy_blob = dumps_or_explain(self._strategy, "strategy")  # new server addresses
+        except BaseException as exc:  # no worker came, or the checkpoint does not restore: raised by join()
+            error = exc
+        with self._cond:
+            self._recovering = False
+            rerun = self._rerun
+            if report is not None:
+                self.recoveries.append(report)
+            if error is not None:
+                self.last_error = error
+                self._error = self._error or error
+                self._cond.notify_all()
+        if report is not None:
+            warnings.warn(report.describe(rerun), RollbackWarning, stacklevel=1)
+        with contextlib.suppress(Exception):  # the client is closing: nothing to dispatch
+            self._loop.add_callback(self._pump)
 
     # -- errors and waiting ----------------------------------------------------------
     def _raise_pending_error(self) -> None:

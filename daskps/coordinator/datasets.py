@@ -140,6 +140,7 @@ class PerWorkerDataset:
         key = f"dataset-{dataset_id}"
         protocol.put_blob(server, key, blob, strategy._group)
         held = refs.owned(server, key, f"<dataset {dataset_id}>", strategy._group)
+        held.recipe = ("blob", blob)
         self._spec = _DatasetSpec(dataset_id, held, tuple(strategy._worker_names))
         self._fn = dataset_fn  # whatever it captured stays alive as long as the dataset
         self._iterators = 0

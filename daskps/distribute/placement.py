@@ -91,8 +91,11 @@ def create(owner: Any, parts: list[Part], whole: tuple | None = None) -> list[Cr
         raise errors[0]
     if whole is not None and any(sliced for _, _, sliced in results):
         _warn_if_large(*whole)
-    return [Created(refs.owned(s.server, s.key, s.name, owner), tuple(shape), np.dtype(dtype))
-            for s, (shape, dtype, _) in zip(specs, results)]
+    created = [Created(refs.owned(s.server, s.key, s.name, owner), tuple(shape), np.dtype(dtype))
+               for s, (shape, dtype, _) in zip(specs, results)]
+    for s, c in zip(specs, created):
+        c.ref.recipe = ("variable", s)  # kept to make it again should its server be lost
+    return created
 
 
 def create_partitioned(strategy: Any, initial_value: Any, trainable: bool, name: str, dtype: Any, shape: Any) -> Placed:

@@ -21,14 +21,14 @@ from daskps.ps import protocol
 from daskps.ps.protocol import DaskParameterServer, ServerRef
 
 SERVER_KEY_PREFIX = "daskps-ps-"
-_KEY = re.compile(rf"{SERVER_KEY_PREFIX}(\d+)-([0-9a-f]+)$")
+_KEY = re.compile(rf"{SERVER_KEY_PREFIX}(\d+)-([0-9a-f]+)(?:-g\d+)?$")
 
 _GROUPS: weakref.WeakValueDictionary[str, ServerGroup] = weakref.WeakValueDictionary()
 
 
-def server_key(task_id: int, token: str) -> str:
-    """The Dask key of the actor of server ``task_id`` in group ``token``."""
-    return f"{SERVER_KEY_PREFIX}{task_id}-{token}"
+def server_key(task_id: int, token: str, generation: int = 0) -> str:
+    """The Dask key of the actor of server ``task_id`` in group ``token`` (re-created ``generation`` times)."""
+    return f"{SERVER_KEY_PREFIX}{task_id}-{token}" + (f"-g{generation}" if generation else "")
 
 
 def parse_server_key(key: Any) -> tuple[int, str] | None:
@@ -59,16 +59,41 @@ class ServerGroup:
         self.client = client
         self.token = uuid.uuid4().hex[:16]
         self.closed = False
-        self._futures = [
-            client.submit(DaskParameterServer, i, actor=True, workers=[addr], allow_other_workers=False,
-                          pure=False, key=server_key(i, self.token))
-            for i, (_, addr) in enumerate(ps_workers)
-        ]
+        self.worker_names = [name for name, _ in ps_workers]  # where each server lives (by worker name)
+        self.generation = 0  # servers re-created so far
+        self._futures = [self._submit(i, addr) for i, (_, addr) in enumerate(ps_workers)]
         channels = [fut.result().channel for fut in self._futures]
         self.servers = [ServerRef(addr, str(fut.key), i, ch)
                         for i, ((_, addr), fut, ch) in enumerate(zip(ps_workers, self._futures, channels))]
         _GROUPS[self.token] = self
-        weakref.finalize(self, protocol.forget_channels, list(self.servers))
+        weakref.finalize(self, protocol.forget_channels, self.servers)  # the list: servers re-created too
+
+    def _submit(self, task_id: int, address: str) -> Any:
+        return self.client.submit(DaskParameterServer, task_id, actor=True, workers=[address],
+                                  allow_other_workers=False, pure=False,
+                                  key=server_key(task_id, self.token, self.generation))
+
+    def replace(self, task_id: int, worker: tuple[str, str], timeout: float) -> tuple[ServerRef, ServerRef]:
+        """Start an empty server ``task_id`` on ``worker`` (name, address) in place of a lost one.
+
+        Returns ``(old, new)``. The old actor's future is released, and what
+        the scheduler was to do once it went (dataset cleanups) now waits
+        for the new one.
+        """
+        self.check_open("the parameter servers")
+        old = self.servers[task_id]
+        self.generation += 1
+        future = self._submit(task_id, worker[1])
+        new = ServerRef(worker[1], str(future.key), task_id, future.result(timeout=timeout).channel)
+        from daskps.ps.plugin import move_cleanups  # (the plugin module imports this one)
+
+        self.client.run_on_scheduler(move_cleanups, old.actor_key, new.actor_key)
+        previous, self._futures[task_id] = self._futures[task_id], future
+        self.servers[task_id] = new
+        self.worker_names[task_id] = worker[0]
+        protocol.forget_channels([old])
+        previous.release()
+        return old, new
 
     @property
     def futures(self) -> list[Any]:

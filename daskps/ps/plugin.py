@@ -43,6 +43,7 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
         self.failed: Counter[str] = Counter()
         self.cleanups: dict[str, dict[str, tuple[bytes, bytes]]] = {}  # server key -> id -> (function, args)
         self.reported: dict[str, set[int]] = {}  # batch key -> functions whose result went out
+        self.replaced: dict[str, str] = {}  # actor key of a lost server -> the server that took its place
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
@@ -116,7 +117,18 @@ def remove_cleanup(server_key: str, cleanup_id: str, dask_scheduler: Any = None)
     """Forget a cleanup that is no longer needed (with ``client.run_on_scheduler``)."""
     plugin = dask_scheduler.plugins.get(PLUGIN_NAME)
     if plugin is not None:
+        while server_key in plugin.replaced:
+            server_key = plugin.replaced[server_key]
         plugin.cleanups.get(server_key, {}).pop(cleanup_id, None)
+
+
+def move_cleanups(old_key: str, new_key: str, dask_scheduler: Any = None) -> None:
+    """Server ``old_key`` was lost and ``new_key`` took its place: its cleanups wait for the new one."""
+    plugin = dask_scheduler.plugins[PLUGIN_NAME]
+    plugin.replaced[old_key] = new_key
+    moved = plugin.cleanups.pop(old_key, None)
+    if moved:
+        plugin.cleanups.setdefault(new_key, {}).update(moved)
 
 
 def install_plugin(client: Any) -> None:

@@ -97,14 +97,64 @@ def held_names(server: ServerRef) -> list[str]:
 
 
 def _unavailable(server: ServerRef, what: str, exc: BaseException | None = None) -> PSUnavailableError:
+    cause = f" ({type(exc).__name__}: {exc})" if exc is not None else ""
+    error = PSUnavailableError(_unavailable_text(f"parameter server {server.label} {what}{cause}.", server))
+    error.server_key = server.actor_key  # type: ignore[attr-defined]  # which server (travels by pickle)
+    error.daskps_what = f"parameter server {server.label} {what}{cause}."  # type: ignore[attr-defined]
+    return error
+
+
+def _unavailable_text(what: str, server: ServerRef) -> str:
     names = held_names(server)
     shown = ", ".join(repr(n) for n in names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
     held = f" It held {shown}: their values are lost." if names else ""
-    cause = f" ({type(exc).__name__}: {exc})" if exc is not None else ""
-    return PSUnavailableError(
-        f"parameter server {server.label} {what}{cause}.{held} Restore them from a checkpoint "
-        "(dps.CheckpointManager.restore_or_initialize) or re-create them."
-    )
+    return (f"{what}{held} Give the ClusterCoordinator a checkpoint manager "
+            "(dps.ClusterCoordinator(strategy, checkpoint_manager=manager)) to have lost servers re-created "
+            "and restored during training; otherwise restore them from a checkpoint "
+            "(dps.CheckpointManager.restore_or_initialize) or re-create them.")
+
+
+def name_what_was_held(error: BaseException) -> None:
+    """Rewrite a :class:`PSUnavailableError` raised elsewhere (on a trainer) to name what this process holds there."""
+    key, what = getattr(error, "server_key", None), getattr(error, "daskps_what", None)
+    server = next((s for s, _ in list(HANDLES) if s.actor_key == key), None) if key and what else None
+    if server is not None and held_names(server):
+        error.args = (_unavailable_text(what, server),)  # type: ignore[arg-type]
+
+
+# -- servers re-created after a loss ---------------------------------------------------
+# Old actor key -> the server that replaced it (see daskps.coordinator.recovery). Handles that
+# still name an old server (inside pickled functions, on trainers) find the new one through it.
+MOVED: dict[str, ServerRef] = {}
+
+
+def current(server: ServerRef) -> ServerRef:
+    """Where ``server`` is now: itself, unless it was re-created after a loss."""
+    return MOVED.get(server.actor_key, server) if MOVED else server
+
+
+def move(moves: dict[str, ServerRef]) -> list[Any]:
+    """Servers were re-created (``{old actor key: new server}``): point this process's handles at them.
+
+    Returns the handles that moved.
+    """
+    changed = {old: new for old, new in moves.items() if MOVED.get(old) != new}
+    if not changed:
+        return []
+    MOVED.update(changed)
+    for old, new in list(MOVED.items()):  # a server re-created twice: follow the chain
+        while new.actor_key in MOVED and MOVED[new.actor_key] != new:
+            new = MOVED[new.actor_key]
+        MOVED[old] = new
+    moved = []
+    for (server, key), ref in list(HANDLES.items()):
+        to = MOVED.get(server.actor_key)
+        if to is not None and to != server:
+            ref.server = to
+            HANDLES.pop((server, key), None)
+            HANDLES[(to, key)] = ref
+            moved.append(ref)
+    return moved
 
 
 def _result(value: Any) -> Any:
@@ -298,6 +348,8 @@ def _run(calls: Sequence[tuple[ServerRef, str, tuple]], owner: Any = None, flush
     Pushes held back by a pipeline for these servers (for every server, with
     ``flush``) go first in their messages.
     """
+    if MOVED:
+        calls = [(current(s), op, args) for s, op, args in calls]
     pipe = pipeline.current()
     held = {}
     if pipe is not None and pipe.pending:

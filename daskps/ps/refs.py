@@ -51,11 +51,14 @@ class Ref:
     borrows a hold that another process keeps.
     """
 
-    __slots__ = ("server", "key", "name", "owner", "holder", "__weakref__")
+    __slots__ = ("server", "key", "name", "owner", "holder", "recipe", "__weakref__")
 
     def __init__(self, server: ServerRef, key: str, name: str, owner: Any, holder: str | None):
         self.server, self.key, self.name, self.owner = server, key, name, owner
         self.holder: str | None = None
+        # On the coordinator: how to make the object again if its server is lost
+        # (see daskps.coordinator.recovery): ("variable", CreateSpec), ("optimizer", ...), ("blob", bytes).
+        self.recipe: tuple | None = None
         protocol.HANDLES[(server, key)] = self
         if holder is not None:
             self.register(holder)
@@ -85,7 +88,7 @@ def _release(sender: Any, server: ServerRef, key: str, holder: str, group: weakr
     alive = None if group is None else group()
     if group is not None and (alive is None or alive.closed):
         return  # its servers were released already, and everything on them
-    sender.release_later(server, key, holder)
+    sender.release_later(protocol.current(server), key, holder)
 
 
 def owned(server: ServerRef, key: str, name: str, owner: Any = None) -> Ref:
@@ -95,6 +98,7 @@ def owned(server: ServerRef, key: str, name: str, owner: Any = None) -> Ref:
 
 def borrow(server: ServerRef, key: str, name: str) -> Ref:
     """The Ref for a handle that arrived by pickle: this process's own, or a new borrowed one."""
+    server = protocol.current(server)
     ref = protocol.HANDLES.get((server, key))
     if ref is None:
         ref = Ref(server, key, name, group_of(server), None)
@@ -139,6 +143,21 @@ def borrowing() -> Iterator[None]:
         escaped = [r for r in (w() for w in made) if r is not None and not r.registered]
         if escaped:
             _acquire(escaped)
+
+
+def follow(moves: dict[str, ServerRef]) -> None:
+    """On a trainer: servers were re-created after a loss; move this process's handles to them.
+
+    The handles this worker holds (escapes) are counted again on the new
+    servers, which the coordinator filled with what it holds.
+    """
+    held = [r for r in protocol.move(moves) if r.registered and r.owner is None]
+    if not held:
+        return
+    outcome = protocol.acquire([(r.server, r.key) for r in held], protocol.holder_here())
+    failed = {s.label: str(e) for s, e in outcome.items() if e is not None}
+    if failed:
+        logger.warning("daskps: handles kept on this worker were not re-created with their server: %s", failed)
 
 
 def _acquire(refs: list[Ref]) -> None:

@@ -166,7 +166,14 @@ class Checkpoint:
         self._restore(save_path)
         return _LoadStatus()
 
-    def _restore(self, path: str) -> dict:
+    def _restore(self, path: str, servers: Any = None) -> dict:
+        """Restore from ``path``; return its manifest.
+
+        With ``servers``, only the parts held on those servers are restored
+        (a server re-created after a loss), and the tensors among them the
+        checkpoint lacks are left as they are; the manifest then also has
+        ``"restored"``: the tensors restored, by name.
+        """
         fs, root = fsspec.core.url_to_fs(path)
         try:
             raw = fs.cat_file(f"{root}/{MANIFEST}")
@@ -175,16 +182,22 @@ class Checkpoint:
         manifest = _checked_manifest(raw, f"{path.rstrip('/')}/{MANIFEST}")
         tensors, optimizers = _collect(self._objects)
         saved = manifest["tensors"]
+        if servers is not None:
+            tensors = {name: t for name, t in tensors.items() if name in saved
+                       and any(v._ref.server in servers for v, _ in t.parts)}
         slots_of = _slot_index(saved)
         _check_match(tensors, saved, slots_of, path)
         items = []
         for name, t in tensors.items():
             for v, offset in t.parts:
+                if servers is not None and v._ref.server not in servers:
+                    continue
                 stop = offset + (v.shape[0] if v.shape else 1)
                 slots = {o._key: _saved_slots(slots_of, name, p) for p, o in optimizers.items()} if t.slotted else {}
                 pieces = saved[name]["pieces"]
                 items.append((v._ref, {"start": offset, "stop": stop, "pieces": pieces, "slots": slots}))
         protocol.restore(path, items)
+        manifest["restored"] = {name: [v._ref.key for v, _ in t.parts] for name, t in tensors.items()}
         return manifest
 
     def __repr__(self) -> str:
@@ -420,6 +433,9 @@ class CheckpointManager:
         self._interval = checkpoint_interval
         self._last_step: int | None = None
         self._init_fn = init_fn
+        # checkpoint path -> functions the coordinator had finished when it was saved (see recovery)
+        self._done_at: dict[str, int] = {}
+        self._coordinator: Any = None  # weak reference, set by ClusterCoordinator(checkpoint_manager=...)
         preserved = [_written_at(self._fs, self._checkpoint_root(n)) for n in self._preserved()]
         self._last_preserved = max(preserved) if preserved else time.time() - 1.0
 
@@ -468,7 +484,11 @@ class CheckpointManager:
         if checkpoint_number is None:
             checkpoint_number = max([self._checkpoint.save_counter, *numbers]) + 1
         self._checkpoint.save_counter = int(checkpoint_number)
+        coordinator = None if self._coordinator is None else self._coordinator()
+        done = None if coordinator is None else coordinator.stats["done"]
         path = self._checkpoint.write(f"{self._url}/{self._name}-{checkpoint_number}")
+        if done is not None:
+            self._done_at[path] = done
         if self._max_to_keep is not None:
             for n in self._numbers()[: -self._max_to_keep]:
                 written = _written_at(self._fs, self._checkpoint_root(n))
@@ -477,6 +497,9 @@ class CheckpointManager:
                     self._last_preserved = written
                 else:
                     self._fs.rm(self._checkpoint_root(n), recursive=True)
+        if len(self._done_at) > 1:
+            kept = set(self.checkpoints)
+            self._done_at = {p: n for p, n in self._done_at.items() if p in kept}
         return path
 
     def restore_or_initialize(self) -> str | None:

@@ -84,6 +84,7 @@ class Optimizer:
                 protocol.release([(s, self._key) for s in servers], owner)
             raise
         self._refs = [refs.owned(s, self._key, f"<optimizer {name}>", owner) for s in servers]
+        self._keep_recipe()
         self._built: list[Any] | None = None
 
     def __reduce__(self) -> Any:
@@ -107,6 +108,12 @@ class Optimizer:
         protocol.add_optimizer([r.server for r in self._refs], self._key, transform, self.lazy_sparse,
                                self.name, owner, new=False)
         self._transform = transform
+        self._keep_recipe()
+
+    def _keep_recipe(self) -> None:
+        """What a re-created server needs to configure this optimizer (see daskps.coordinator.recovery)."""
+        for r in self._refs:
+            r.recipe = ("optimizer", self._transform, self.lazy_sparse, self.name)
 
     def __getattr__(self, name: str) -> Any:
         transform = self.__dict__.get("_transform")

@@ -1,0 +1,166 @@
+"""A lost parameter server, re-created and restored from the latest checkpoint.
+
+A ``ClusterCoordinator`` given a checkpoint manager calls :func:`recover`
+when a scheduled function fails because a parameter server is gone. It:
+
+1. asks every server of the strategy whether it answers; those that do not
+   are lost;
+2. starts an empty server for each lost one, on its worker once the Nanny
+   has restarted it (same worker name), or else on another ps worker;
+3. makes there again every object the coordinator holds on the lost server,
+   from the recipe kept with its handle: variables and shards (their
+   initial value), optimizer settings, stored dataset functions;
+4. points every handle at the new server (trainers learn it with their next
+   batch, and handles inside functions pickled earlier follow it too);
+5. restores, from the manager's latest checkpoint, the variables, shards
+   and optimizer slots that lived on the lost server, and only those.
+
+What was on the lost server since that checkpoint is lost: the updates of
+the functions that finished after it was saved, for the variables that
+lived there (their other variables keep every update). Variables the
+checkpoint does not hold start again from their initial value, with fresh
+optimizer slots. The coordinator then runs again the functions that failed
+or were cancelled because of the loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import dask.config
+from dask.utils import parse_timedelta
+
+from daskps.distribute.cluster import cluster_workers
+from daskps.errors import PSUnavailableError
+from daskps.ps import protocol
+from daskps.ps.protocol import ServerRef
+
+
+@dataclasses.dataclass
+class Recovered:
+    """What one recovery did, for the warning it gives."""
+
+    servers: list[tuple[ServerRef, ServerRef]]  # (lost, new)
+    checkpoint: str | None
+    rolled_back: list[str]  # tensors restored from the checkpoint
+    reset: list[str]  # variables the checkpoint lacks: back to their initial value
+    functions_since: int | None  # functions finished after the checkpoint was saved (None: unknown)
+
+    def describe(self, rerun: int) -> str:
+        where = "; ".join(f"ps:{old.task_id} (was at {old.address}) now runs at {new.address}"
+                          for old, new in self.servers)
+        text = f"daskps: lost parameter server re-created: {where}."
+        if self.checkpoint is None:
+            text += " No checkpoint had been saved yet."
+        else:
+            since = ("an unknown number of functions (the checkpoint was not saved by this coordinator)"
+                     if self.functions_since is None else f"{self.functions_since} function(s)")
+            text += (f" Rolled back to checkpoint {self.checkpoint}: {_names(self.rolled_back)}; the "
+                     f"updates {since} made to them after that checkpoint are lost.")
+        if self.reset:
+            text += f" Back to their initial value (in no checkpoint): {_names(self.reset)}."
+        text += f" {rerun} function(s) that failed or were cancelled by the loss run again."
+        return text
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:12])
+    return (shown + f" and {len(names) - 12} more") if len(names) > 12 else (shown or "nothing")
+
+
+def lost_servers(group: Any) -> list[ServerRef]:
+    """The servers of ``group`` that do not answer."""
+    servers = list(group.servers)
+    answers = protocol.stats(servers, group, timeout=parse_timedelta(dask.config.get("daskps.connect-timeout", "5s")))
+    return [s for s, a in zip(servers, answers) if isinstance(a, BaseException)]
+
+
+def recover(strategy: Any, manager: Any, done: int) -> Recovered | None:
+    """Re-create and restore the lost servers of ``strategy`` (``None`` if none was lost).
+
+    ``done`` is how many functions the coordinator has finished. Raises
+    :class:`~daskps.errors.PSUnavailableError` if no ps worker takes a lost
+    server's place in time (config ``daskps.recovery-timeout``), or the
+    checkpoint cannot be restored.
+    """
+    group = strategy._group
+    lost = lost_servers(group)
+    if not lost:
+        return None
+    timeout = parse_timedelta(dask.config.get("daskps.recovery-timeout", "60s"))
+    deadline = time.monotonic() + timeout
+    pairs = []
+    for old in lost:
+        assert old.task_id is not None
+        host = _host(strategy, group, old, deadline)
+        pairs.append(group.replace(old.task_id, host, max(1.0, deadline - time.monotonic())))
+    made = [_remake(group, old, new) for old, new in pairs]
+    protocol.move({old.actor_key: new for old, new in pairs})
+    variables = {r.key: r.name for keys in made for r in keys}
+    latest = manager.latest_checkpoint
+    rolled_back: list[str] = []
+    if latest is not None:
+        try:
+            manifest = manager._checkpoint._restore(latest, servers={new for _, new in pairs})
+        except Exception as exc:
+            raise PSUnavailableError(
+                f"parameter server(s) {', '.join(f'ps:{o.task_id}' for o, _ in pairs)} were lost and re-created, "
+                f"but restoring them from {latest} failed ({type(exc).__name__}: {exc}); their variables "
+                "hold their initial values"
+            ) from exc
+        restored = manifest["restored"]
+        rolled_back = sorted(restored)
+        for keys in restored.values():
+            for key in keys:
+                variables.pop(key, None)
+    since = manager._done_at.get(latest) if latest is not None else None
+    return Recovered(pairs, latest, rolled_back, sorted(set(variables.values())),
+                     None if since is None else max(0, done - since))
+
+
+def _host(strategy: Any, group: Any, old: ServerRef, deadline: float) -> tuple[str, str]:
+    """(name, address) of the ps worker to host the new server: the lost one's restarted, else another.
+
+    Its own worker, restarted by its Nanny, is waited for a few seconds
+    (config ``daskps.recovery-same-worker-wait``); then any other live ps
+    worker will do, the one holding fewest of this strategy's servers first.
+    """
+    resource = strategy._resolver.ps_resource
+    name = str(group.worker_names[old.task_id])
+    prefer_until = time.monotonic() + parse_timedelta(dask.config.get("daskps.recovery-same-worker-wait", "10s"))
+    while True:
+        workers = [(str(info.get("name", addr)), addr) for addr, info in cluster_workers(strategy.client).items()
+                   if info.get("resources", {}).get(resource, 0) > 0 and addr != old.address]
+        same = [w for w in workers if w[0] == name]
+        if same:
+            return same[0]
+        if workers and time.monotonic() >= prefer_until:
+            busy = [s.address for s in group.servers]
+            return min(workers, key=lambda w: (busy.count(w[1]), w[0]))
+        if time.monotonic() >= deadline:
+            raise PSUnavailableError(
+                f"parameter server ps:{old.task_id} was lost and no worker with resource {resource!r} "
+                f"came to take its place within daskps.recovery-timeout; start one "
+                f"(`dask worker ADDRESS --resources {resource}=1`) and train again"
+            )
+        time.sleep(0.1)
+
+
+def _remake(group: Any, old: ServerRef, new: ServerRef) -> list[Any]:
+    """Make on ``new`` every object this process holds on ``old``; return the variables' handles."""
+    held = [r for (server, _), r in list(protocol.HANDLES.items()) if server == old and r.recipe is not None]
+    variables = [r for r in held if r.recipe[0] == "variable"]
+    specs = [dataclasses.replace(r.recipe[1], server=new) for r in variables]
+    for result in protocol.create(specs, group):
+        if isinstance(result, BaseException):
+            raise PSUnavailableError(f"parameter server ps:{old.task_id} was lost, and making its variables "
+                                     f"again failed: {type(result).__name__}: {result}") from result
+    for r in held:
+        if r.recipe[0] == "optimizer":
+            _, transform, lazy_sparse, name = r.recipe
+            protocol.add_optimizer([new], r.key, transform, lazy_sparse, name, group)
+        elif r.recipe[0] == "blob":
+            protocol.put_blob(new, r.key, r.recipe[1], group)
+    return variables
