@@ -11,7 +11,7 @@ import pytest
 import daskps as dps
 from daskps.errors import PSUnavailableError, RollbackWarning
 
-from .conftest import kill_worker
+from .conftest import kill_worker, worker_address
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -141,3 +141,109 @@ def test_manager_given_later_and_recovery_before_any_checkpoint(fresh_cluster, t
     assert "'a'" in str(warning.message)
     assert float(b.numpy()) >= 300.0  # every function ran (a few maybe twice)
     assert (a.numpy() >= 2.0).all() and (a.numpy() < 302.0).all()
+
+
+def _sgd_momentum(w, m, g, lr, mu, steps):
+    for _ in range(steps):
+        m = m * mu - g * lr
+        w = w + m
+    return w, m
+
+
+def test_shards_and_slots_of_the_lost_server_come_back_from_the_checkpoint(fresh_cluster, tmp_path):
+    """Exact numbers: the lost server's shard and its momentum restart from the checkpoint; the other shard keeps its updates."""
+    cluster, client = fresh_cluster
+    strategy = dps.ParameterServerStrategy(client, variable_partitioner=dps.partitioners.FixedShardsPartitioner(2))
+    with strategy.scope():
+        w = dps.Variable(np.zeros((4, 3), np.float32), name="w")  # rows 0-1 on ps-0, rows 2-3 on ps-1
+        opt = dps.optimizers.SGD(learning_rate=0.1, momentum=0.9)
+    assert ["task:0" in w.variables[0].device, "task:1" in w.variables[1].device] == [True, True]
+    manager = dps.CheckpointManager(dps.Checkpoint(w=w, opt=opt), str(tmp_path))
+    coordinator = dps.ClusterCoordinator(strategy, checkpoint_manager=manager)
+    g = np.ones((4, 3), np.float32)
+
+    def step():
+        opt.apply_gradients([(g, w)])
+
+    for _ in range(3):
+        coordinator.schedule(step)
+        coordinator.join()
+    manager.save()
+    for _ in range(2):
+        coordinator.schedule(step)
+        coordinator.join()
+    kill_worker(client, "ps-0")
+    coordinator.schedule(step)
+    with pytest.warns(RollbackWarning, match=r"'w'"):
+        coordinator.join()
+    zero = np.zeros((4, 3), np.float32)
+    w3, m3 = _sgd_momentum(zero, zero, g, 0.1, 0.9, 3)
+    lost_rows, _ = _sgd_momentum(w3, m3, g, 0.1, 0.9, 1)  # from the checkpoint, then the function run again
+    # ps-1 applied the failed attempt's push too (one message per server, sent to both): at-least-once
+    kept_rows, _ = _sgd_momentum(zero, zero, g, 0.1, 0.9, 7)
+    got = w.numpy()
+    np.testing.assert_allclose(got[:2], lost_rows[:2], rtol=1e-5)
+    np.testing.assert_allclose(got[2:], kept_rows[2:], rtol=1e-5)
+
+
+def _kill_for_good(cluster, client, name):
+    """SIGKILL the worker ``name`` after telling its Nanny not to restart it: a machine gone for good."""
+    cluster.workers[name].close_gracefully(reason="test: gone for good")
+    kill_worker(client, name)
+
+
+def test_a_ps_gone_for_good_is_recreated_on_another_ps_worker(fresh_cluster, tmp_path):
+    import dask.config
+
+    cluster, client = fresh_cluster
+    strategy = dps.ParameterServerStrategy(client)
+    with strategy.scope():
+        a = dps.Variable(0.0, name="a")  # ps-0
+        b = dps.Variable(0.0, name="b")  # ps-1
+    manager = dps.CheckpointManager(dps.Checkpoint(a=a, b=b), str(tmp_path))
+    coordinator = dps.ClusterCoordinator(strategy, checkpoint_manager=manager)
+
+    def step():
+        a.assign_add(1.0)
+        b.assign_add(1.0)
+
+    coordinator.schedule(step)
+    coordinator.join()
+    manager.save()
+    with dask.config.set({"daskps.recovery-same-worker-wait": "1s"}):
+        _kill_for_good(cluster, client, "ps-0")
+        for _ in range(20):
+            coordinator.schedule(step)
+        with pytest.warns(RollbackWarning, match="ps:0"):
+            coordinator.join()
+    ps1 = worker_address(client, "ps-1")
+    assert [s.address for s in strategy._ps] == [ps1, ps1]  # both servers on ps-1 now
+    assert float(a.numpy()) >= 21.0 - 1 and float(b.numpy()) >= 21.0
+    assert "task:0" in a.device
+
+
+def test_no_ps_worker_in_time_fails_join_with_a_clear_error(fresh_cluster, tmp_path):
+    import dask.config
+
+    cluster, client = fresh_cluster
+    strategy = dps.ParameterServerStrategy(client)
+    with strategy.scope():
+        a = dps.Variable(0.0, name="a")
+    manager = dps.CheckpointManager(dps.Checkpoint(a=a), str(tmp_path))
+    coordinator = dps.ClusterCoordinator(strategy, checkpoint_manager=manager)
+    with dask.config.set({"daskps.recovery-timeout": "2s"}):
+        _kill_for_good(cluster, client, "ps-0")
+        _kill_for_good(cluster, client, "ps-1")
+        coordinator.schedule(lambda: a.assign_add(1.0) and None)
+        with pytest.raises(PSUnavailableError, match=r"ps:\d was lost and no worker with resource 'ps' came"):
+            coordinator.join()
+    assert coordinator.done() and not coordinator.recoveries
+
+
+def test_server_keys_of_recreated_servers_parse():
+    from daskps.ps.group import parse_server_key, server_key
+
+    assert parse_server_key(server_key(3, "abc123")) == (3, "abc123")
+    assert parse_server_key(server_key(3, "abc123", 2)) == (3, "abc123")
+    assert server_key(3, "abc123", 2) != server_key(3, "abc123", 1)
+    assert parse_server_key("daskps-ps-3-abc123-gx") is None

@@ -75,11 +75,12 @@ MAX_RERUNS = 3
 class _Closure:
     """One scheduled function: its pickle, what it keeps alive, its RemoteValue."""
 
-    __slots__ = ("id", "blob", "kept", "remote", "reruns")
+    __slots__ = ("id", "blob", "kept", "remote", "reruns", "batch")
 
     def __init__(self, cid: int, blob: tuple[bytes, bytes], kept: list[Any], remote: RemoteValue):
         self.id, self.blob, self.kept, self.remote = cid, blob, kept, remote
         self.reruns = 0
+        self.batch: str | None = None  # the key of the batch it is in; None while queued
 
 
 def _refuse_remote_values(structure: Any, arg: str) -> None:
@@ -301,6 +302,8 @@ class ClusterCoordinator:
                     key=key, resources={"worker": 1}, pure=False,
                 )
                 self._batches[key] = (future, closures)
+                for c in closures:
+                    c.batch = key
                 asyncio.ensure_future(self._watch(key, future))
 
     def _on_event(self, event: tuple[float, Any]) -> None:
@@ -312,8 +315,8 @@ class ClusterCoordinator:
             self._seconds_per_function = took if per is None else per + 0.5 * (took - per)
             for cid, status, payload, _ in finished:
                 closure = self._pending.get(cid)
-                if closure is None or closure.remote._state != PENDING or status == BIG:
-                    continue  # cancelled meanwhile, or its (big) result comes with the batch
+                if closure is None or closure.remote._state != PENDING or status == BIG or closure.batch != batch_key:
+                    continue  # cancelled or queued again meanwhile, or its (big) result comes with the batch
                 if status == ERROR:
                     try:
                         error = load_error(payload)
@@ -366,8 +369,8 @@ class ClusterCoordinator:
             lossy = key in self._lossy
             self._lossy.discard(key)
             for c in closures:
-                if c.remote._state != PENDING or c.id not in self._pending:
-                    continue
+                if c.remote._state != PENDING or c.id not in self._pending or c.batch != key:
+                    continue  # settled, or queued again (a lost server)
                 if c.id in results:
                     c.remote._finish(None, results[c.id])
                     self._done(c)
@@ -408,6 +411,7 @@ class ClusterCoordinator:
         """Queue ``closure`` again, before the functions scheduled after it (under the lock)."""
         if self._recovering:
             self._rerun += 1
+        closure.batch = None
         index = bisect.bisect_left([c.id for c in self._queue], closure.id)
         self._queue.insert(index, closure)
 

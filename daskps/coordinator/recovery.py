@@ -95,7 +95,7 @@ def recover(strategy: Any, manager: Any, done: int) -> Recovered | None:
     for old in lost:
         assert old.task_id is not None
         host = _host(strategy, group, old, deadline)
-        pairs.append(group.replace(old.task_id, host, max(1.0, deadline - time.monotonic())))
+        pairs.append(group.replace(old.task_id, host, max(30.0, deadline - time.monotonic())))
     made = [_remake(group, old, new) for old, new in pairs]
     protocol.move({old.actor_key: new for old, new in pairs})
     variables = {r.key: r.name for keys in made for r in keys}

@@ -16,7 +16,7 @@ import uuid
 import weakref
 from typing import Any
 
-from daskps.errors import ClosedError
+from daskps.errors import ClosedError, PSUnavailableError
 from daskps.ps import protocol
 from daskps.ps.protocol import DaskParameterServer, ServerRef
 
@@ -84,7 +84,13 @@ class ServerGroup:
         old = self.servers[task_id]
         self.generation += 1
         future = self._submit(task_id, worker[1])
-        new = ServerRef(worker[1], str(future.key), task_id, future.result(timeout=timeout).channel)
+        try:
+            channel = future.result(timeout=timeout).channel
+        except Exception as exc:
+            future.release()
+            raise PSUnavailableError(f"parameter server ps:{task_id} was lost, and starting it again on "
+                                     f"{worker[0]} ({worker[1]}) failed: {type(exc).__name__}: {exc}") from exc
+        new = ServerRef(worker[1], str(future.key), task_id, channel)
         from daskps.ps.plugin import move_cleanups  # (the plugin module imports this one)
 
         self.client.run_on_scheduler(move_cleanups, old.actor_key, new.actor_key)
