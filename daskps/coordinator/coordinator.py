@@ -66,6 +66,8 @@ __all__ = ["ClusterCoordinator", "RemoteValue"]
 
 # About how long one batch should run.
 BATCH_SECONDS = 0.2
+# While there is work to dispatch, trainers are counted again this often (seconds).
+TRAINERS_REFRESH = 1.0
 
 
 # How many times one function is run again after losses of parameter servers before its error stands.
@@ -210,6 +212,8 @@ class ClusterCoordinator:
         self.last_error: BaseException | None = None
         self._created = time.monotonic()
         self._joined_at = 0  # functions scheduled before the last join() that found nothing pending
+        self._trainers = len(strategy._worker_names)  # live trainers, counted again as work is dispatched
+        self._trainers_at = time.monotonic()
         self._manager = None
         self._recovering = False  # a lost server is being re-created: dispatch waits
         self._lossy: set[str] = set()  # batches stopped by a lost server: their unrun functions run again
@@ -281,7 +285,10 @@ class ClusterCoordinator:
 
     def _pump(self) -> None:
         """On the client's event loop: put queued functions into batches while trainers need work."""
-        trainers = max(1, len(self._strategy._worker_names))
+        trainers = max(1, self._trainers)
+        if time.monotonic() - self._trainers_at > TRAINERS_REFRESH and self._queue:
+            self._trainers_at = time.monotonic()
+            asyncio.ensure_future(self._count_trainers())
         with self._cond:
             self._pump_queued = False
             if self._recovering:
@@ -305,6 +312,16 @@ class ClusterCoordinator:
                 for c in closures:
                     c.batch = key
                 asyncio.ensure_future(self._watch(key, future))
+
+    async def _count_trainers(self) -> None:
+        """Ask the scheduler how many trainers there are now (workers come and go); pump if it changed."""
+        resolver = self._strategy.cluster_resolver
+        resource = resolver.worker_resource if resolver is not None else "worker"
+        with contextlib.suppress(Exception):  # an older scheduler plugin, or the client closing: keep the count
+            count = await self._client.scheduler.daskps_trainers(resource=resource)
+            if count and count != self._trainers:
+                self._trainers = count
+                self._pump()
 
     def _on_event(self, event: tuple[float, Any]) -> None:
         """On the client's event loop: functions finished on a trainer."""

@@ -13,6 +13,7 @@ from typing import Any
 
 import dask.config
 from distributed import Client, Nanny, Scheduler, Security, SpecCluster, Worker
+from distributed.core import Status
 
 from daskps.ui.dashboard import register_page
 
@@ -129,6 +130,30 @@ class LocalPSCluster(SpecCluster):
         "distributed.worker.profile.interval": "100ms",
         "distributed.worker.profile.cycle": "5s",
     }
+
+    def scale(self, n: int = 0, memory: Any = None, cores: Any = None) -> Any:
+        """Dask's ``scale``: ``n`` workers in all, the parameter servers and evaluators counted.
+
+        Workers added are trainers (``worker-N``, resource ``worker=1``); a
+        running coordinator gives them work within a second. Scaling down
+        removes trainers, the newest first, never a parameter server or an
+        evaluator, so ``n`` must be at least their number.
+        """
+        if self.status in (Status.closing, Status.closed):
+            return super().scale(n, memory, cores)  # closing: everything goes
+        kept = [name for name, spec in self.worker_spec.items()
+                if "worker" not in spec.get("options", {}).get("resources", {})]
+        if isinstance(n, bool) or not isinstance(n, int) or n < len(kept):
+            raise ValueError(f"n must be an int >= {len(kept)} (the parameter servers and evaluators, which "
+                             f"scale never removes), got {n!r}")
+        for name in [name for name in self.worker_spec if name not in kept]:
+            self.worker_spec[name] = self.worker_spec.pop(name)  # trainers last: Dask removes from the end
+        result = super().scale(n, memory, cores)
+        self.num_workers = len(self.worker_spec) - len(kept)
+        return result
+
+    def _new_worker_name(self, worker_number: int) -> str:
+        return f"worker-{worker_number}"
 
     def __repr__(self) -> str:
         return (

@@ -29,6 +29,7 @@ from daskps.ps.group import parse_server_key
 PLUGIN_NAME = "daskps"
 BATCH_TOPIC_PREFIX = "daskps-batches-"
 REPORTED_HANDLER = "daskps_reported"
+TRAINERS_HANDLER = "daskps_trainers"
 
 
 class DaskPSSchedulerPlugin(SchedulerPlugin):
@@ -48,6 +49,7 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
         scheduler.handlers[REPORTED_HANDLER] = self.batch_reported
+        scheduler.handlers[TRAINERS_HANDLER] = self.count_workers_with
         for key, ts in scheduler.tasks.items():  # servers made before the plugin
             if parse_server_key(key) and ts.who_has:
                 self.servers[key] = next(iter(ts.who_has)).address
@@ -86,6 +88,10 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
     def batch_reported(self, key: str) -> list[int]:
         """The functions of batch ``key`` that have reported (asked by a batch that runs again)."""
         return sorted(self.reported.get(key, ()))
+
+    def count_workers_with(self, resource: str) -> int:
+        """How many live workers hold ``resource`` (the coordinator sizes its batches by it)."""
+        return sum(1 for amount in self.scheduler.resources.get(resource, {}).values() if amount > 0)
 
     def server_refs(self) -> list[protocol.ServerRef]:
         return [protocol.ServerRef(address, key, parse_server_key(key)[0])  # type: ignore[index]
