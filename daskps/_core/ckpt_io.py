@@ -79,10 +79,22 @@ def _read_npy_rows(fs: Any, path: str, start: int, stop: int, out: np.ndarray | 
 
     ``piece``: its manifest record; the file must hold the shape (and dtype) it says.
     """
+    try:
+        return _read_npy_file(fs, path, start, stop, out, piece)
+    except OSError as exc:  # raised on a server, an OSError would reach the caller as a lost connection
+        raise ValueError(f"checkpoint piece {path} cannot be read: {type(exc).__name__}: {exc}") from exc
+
+
+def _read_npy_file(fs: Any, path: str, start: int, stop: int, out: np.ndarray | None,
+                   piece: dict | None) -> np.ndarray:
     with fs.open(path, "rb") as f:
-        version = np.lib.format.read_magic(f)
-        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        shape, fortran, dtype = read_header(f)
+        try:
+            version = np.lib.format.read_magic(f)
+            read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                           else np.lib.format.read_array_header_2_0)
+            shape, fortran, dtype = read_header(f)
+        except ValueError as exc:  # numpy's message does not say which file
+            raise ValueError(f"{path} is not a readable .npy file: {exc}") from exc
         if fortran:
             raise ValueError(f"{path} is stored in Fortran order; daskps writes C order only")
         if piece is not None:
@@ -92,11 +104,12 @@ def _read_npy_rows(fs: Any, path: str, start: int, stop: int, out: np.ndarray | 
                                  f"{want_dtype} {tuple(piece['shape'])}")
         header = f.tell()
         if not shape:
-            return np.frombuffer(f.read(dtype.itemsize), dtype).reshape(())
+            return np.frombuffer(_read_exactly(f, dtype.itemsize, path), dtype).reshape(())
         row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
         f.seek(header + start * row_bytes)
         if out is None or out.dtype != dtype or not out.flags.c_contiguous:
-            return np.frombuffer(f.read((stop - start) * row_bytes), dtype).reshape((stop - start,) + tuple(shape[1:]))
+            data = _read_exactly(f, (stop - start) * row_bytes, path)
+            return np.frombuffer(data, dtype).reshape((stop - start,) + tuple(shape[1:]))
         view = out.reshape(-1).data.cast("B")
         done = 0
         while done < len(view):  # straight into the destination
@@ -105,6 +118,13 @@ def _read_npy_rows(fs: Any, path: str, start: int, stop: int, out: np.ndarray | 
                 raise ValueError(f"{path} is shorter than its header says")
             done += n
     return out
+
+
+def _read_exactly(f: Any, size: int, path: str) -> bytes:
+    data = f.read(size)
+    if len(data) != size:
+        raise ValueError(f"{path} is shorter than its header says")
+    return data
 
 
 def read_rows(

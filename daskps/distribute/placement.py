@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import numbers
 import uuid
 import warnings
 from typing import Any
@@ -123,10 +124,12 @@ def num_partitions(partitioner: Any, shape: tuple, dtype: np.dtype) -> int:
     """The number of shards along axis 0 (at most ``shape[0]``)."""
     result = partitioner(shape=shape, dtype=dtype)
     try:
-        counts = [int(x) for x in result]
-    except (TypeError, ValueError):
-        counts = []
-    if not counts or counts[0] < 1 or any(c != 1 for c in counts[1:]):
+        entries = list(result)
+    except TypeError:
+        entries = []
+    # Only true ints: int() would quietly turn 1.5 into 1 and "2" into 2.
+    counts = [int(x) for x in entries if isinstance(x, numbers.Integral) and not isinstance(x, bool)]
+    if not counts or len(counts) != len(entries) or counts[0] < 1 or any(c != 1 for c in counts[1:]):
         raise ValueError(
             "variable_partitioner must return a list of ints [num_shards >= 1, 1, 1, ...] "
             f"(only axis 0 can be split); for shape {shape} it returned {result!r}"

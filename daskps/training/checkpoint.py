@@ -331,7 +331,7 @@ def _check_match(tensors: dict[str, _Tensor], saved: dict, slots_of: dict, path:
             problems.append(f"{name}: not in the checkpoint")
         elif tuple(entry["shape"]) != t.shape:
             problems.append(f"{name}: checkpoint has shape {tuple(entry['shape'])}, object has {t.shape}")
-        elif not np.can_cast(np.dtype(entry["dtype"]), t.dtype, casting="same_kind"):
+        elif np.dtype(entry["dtype"]) != t.dtype:  # as TensorFlow: no silent cast, not even to float64
             problems.append(f"{name}: checkpoint has dtype {np.dtype(entry['dtype'])}, object has {t.dtype}")
         for per_slot in slots_of.get(name, {}).values() if t.slotted else ():
             for slot_name, slot in per_slot.values():

@@ -138,7 +138,7 @@ class ArrayLike:
     def _scatter(self, op: str, payload: tuple) -> Any:
         raise NotImplementedError
 
-    def _gather(self, indices: Any, one_d: bool = False) -> np.ndarray:
+    def _gather(self, indices: Any, one_d: bool = False, arg: str = "indices") -> np.ndarray:
         raise NotImplementedError
 
 

@@ -39,7 +39,7 @@ def embedding_lookup(params: Any, ids: Any, max_norm: float | None = None, name:
     if isinstance(params, (list, tuple)):
         params = params[0] if len(params) == 1 else ShardedVariable(list(params), name="embedding")
     if isinstance(params, (ShardedVariable, Variable)):
-        found = params._gather(ids)
+        found = params._gather(ids, arg="ids")
     else:
         table = np.asarray(params)
         found = table[check_indices(ids, len(table), "params", "ids", one_d=False)]

@@ -36,7 +36,8 @@ def split_rows(offsets: Sequence[int], idx: np.ndarray, values: np.ndarray) -> l
 
 
 def plan_rows(
-    variables: Sequence[Any], offsets: Sequence[int], ids: Any, name: str, one_d: bool = False
+    variables: Sequence[Any], offsets: Sequence[int], ids: Any, name: str, one_d: bool = False,
+    arg: str = "indices",
 ) -> tuple[list[tuple[Any, Any]], Callable[[list], np.ndarray]]:
     """What to read for rows ``ids`` (any shape) of the variable made of ``variables``, and how to assemble it.
 
@@ -44,7 +45,7 @@ def plan_rows(
     read (each distinct row once), and ``assemble(values)`` turns what was
     read into the rows, shaped ``ids.shape + row shape``.
     """
-    idx = check_indices(ids, offsets[-1], name, "indices", one_d=one_d)
+    idx = check_indices(ids, offsets[-1], name, arg, one_d=one_d)
     uniq, inverse = np.unique(idx.ravel(), return_inverse=True)
     owner = np.searchsorted(offsets, uniq, side="right") - 1
     bounds = np.searchsorted(owner, np.arange(len(variables) + 1))
@@ -60,10 +61,14 @@ def plan_rows(
 
 
 def gather_rows(
-    variables: Sequence[Any], offsets: Sequence[int], ids: Any, name: str, one_d: bool = False
+    variables: Sequence[Any], offsets: Sequence[int], ids: Any, name: str, one_d: bool = False,
+    arg: str = "indices",
 ) -> np.ndarray:
-    """Rows ``ids`` (any shape) of the variable made of ``variables``; each distinct row travels once."""
-    items, assemble = plan_rows(variables, offsets, ids, name, one_d)
+    """Rows ``ids`` (any shape) of the variable made of ``variables``; each distinct row travels once.
+
+    ``arg`` is the caller's name for ``ids``, for error messages.
+    """
+    items, assemble = plan_rows(variables, offsets, ids, name, one_d, arg)
     return assemble(_fetch(items))
 
 

@@ -159,8 +159,8 @@ class Variable(ArrayLike, metaclass=_VariableMeta):
         protocol.update([(self._ref, op, check_update(self._shape, self._dtype, self.name, op, payload))])
         return self
 
-    def _gather(self, indices: Any, one_d: bool = False) -> np.ndarray:
-        return rows.gather_rows([self], [0, self._shape[0] if self._shape else 0], indices, self.name, one_d)
+    def _gather(self, indices: Any, one_d: bool = False, arg: str = "indices") -> np.ndarray:
+        return rows.gather_rows([self], [0, self._shape[0] if self._shape else 0], indices, self.name, one_d, arg)
 
     # -- Python protocol ----------------------------------------------------
     def __len__(self) -> int:
@@ -283,8 +283,8 @@ class ShardedVariable(ArrayLike):
         protocol.update(items)
         return self
 
-    def _gather(self, indices: Any, one_d: bool = False) -> np.ndarray:
-        return rows.gather_rows(self._variables, self._offsets, indices, self._name, one_d)
+    def _gather(self, indices: Any, one_d: bool = False, arg: str = "indices") -> np.ndarray:
+        return rows.gather_rows(self._variables, self._offsets, indices, self._name, one_d, arg)
 
     def _spans(self) -> list[tuple[Variable, int, int]]:
         return [(v, self._offsets[i], self._offsets[i + 1]) for i, v in enumerate(self._variables)]
