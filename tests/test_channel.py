@@ -3,6 +3,7 @@
 import threading
 
 import numpy as np
+import pytest
 
 import daskps as dps
 
@@ -27,3 +28,17 @@ def test_large_replies_intact_under_concurrent_readers(strategy, coordinator):
     coordinator.join()
     assert results == [True] * 3
     assert [r.fetch() for r in remote] == [True] * 4
+
+
+def test_an_oserror_raised_by_the_server_is_its_answer_not_a_lost_server(strategy, tmp_path):
+    from daskps.errors import PSUnavailableError
+    from daskps.ps import protocol
+
+    with strategy.scope():
+        v = dps.Variable([1.0], name="v")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(OSError) as raised:  # the server cannot make its directory under a file
+        protocol.save(str(blocker / "ckpt"), [(v._ref, ("v", 0, []))])
+    assert not isinstance(raised.value, PSUnavailableError), raised.value
+    assert v.numpy().tolist() == [1.0]  # and the channel still answers in step

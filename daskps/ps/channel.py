@@ -208,6 +208,7 @@ class Channel:
             self.close()
             raise
         if status == "error":
+            value.daskps_from_server = True  # raised by the server: not a broken connection, even an OSError
             raise value
         return value
 

@@ -415,8 +415,8 @@ def _over_channels(batches: dict[ServerRef, Ops], owner: Any, answers: dict | No
             try:
                 awaiting.remove(ch)
                 results[server] = ch.receive()  # every answer is read, so each channel stays in step
-            except OSError as exc:
-                errors[server] = _lost(server, owner, exc)
+            except OSError as exc:  # the server's own OSError (a full disk, say) is its answer
+                errors[server] = exc if getattr(exc, "daskps_from_server", False) else _lost(server, owner, exc)
             except Exception as exc:
                 errors[server] = exc
         if answers is not None:
