@@ -109,6 +109,12 @@ def _pickle(obj: Any, what: str) -> tuple[bytes, list[Any]]:
         except ValueError:
             raise  # a variable of this process only: its message says what to do
         except Exception:
+            if what.startswith("the arguments of "):  # name the argument as the call would: args[1], kwargs['k']
+                for label, part in zip(("args", "kwargs"), obj):
+                    try:
+                        dumps_or_explain(part, label)
+                    except TypeError as exc:
+                        raise TypeError(f"{exc.args[0]} (in {what})") from exc.__cause__
             dumps_or_explain(obj, what)
             raise
 
