@@ -64,7 +64,7 @@ def test_killed_ps_is_recreated_and_restored_while_400_functions_are_pending(fre
     assert "ps:0" in text and path in text, text
     assert "'a'" in text and "'opt/iterations'" in text and "'b'" not in text, text
     assert "'counter'" in text and "initial value" in text, text  # in no checkpoint: back to its initial value
-    assert "function(s) made to them after that checkpoint are lost" in text, text
+    assert "every update made to them after it is lost" in text, text
     (report,) = coordinator.recoveries
     assert report.functions_since is not None and report.functions_since >= 20, report
 
@@ -247,3 +247,33 @@ def test_server_keys_of_recreated_servers_parse():
     assert parse_server_key(server_key(3, "abc123", 2)) == (3, "abc123")
     assert server_key(3, "abc123", 2) != server_key(3, "abc123", 1)
     assert parse_server_key("daskps-ps-3-abc123-gx") is None
+
+
+def test_a_ps_lost_while_nothing_runs_is_recovered_at_once(fresh_cluster, tmp_path):
+    """The scheduler tells the coordinator when a server's worker leaves: no function has to fail first."""
+    cluster, client = fresh_cluster
+    strategy = dps.ParameterServerStrategy(client)
+    with strategy.scope():
+        a = dps.Variable(0.0, name="a")  # ps-0
+        b = dps.Variable(0.0, name="b")  # ps-1
+    manager = dps.CheckpointManager(dps.Checkpoint(a=a, b=b), str(tmp_path))
+    coordinator = dps.ClusterCoordinator(strategy, checkpoint_manager=manager)
+
+    def step():
+        a.assign_add(1.0)
+        b.assign_add(1.0)
+
+    for _ in range(10):
+        coordinator.schedule(step)
+    coordinator.join()
+    manager.save()
+    a.assign(100.0)  # after the checkpoint: lost with the server
+    kill_worker(client, "ps-0")
+    with pytest.warns(RollbackWarning, match=r"'a'; every update made to them after it is lost \(0 scheduled"):
+        deadline = time.monotonic() + 60
+        while not coordinator.recoveries:
+            assert time.monotonic() < deadline, "no recovery"
+            time.sleep(0.05)
+        coordinator.join()  # waits for a recovery under way
+    assert float(a.numpy()) == 10.0 and float(b.numpy()) == 10.0
+    assert manager.save() is not None  # the loop's next save works

@@ -58,7 +58,7 @@ from daskps.coordinator.remote import FAILED, PENDING, RemoteValue, to_numpy
 from daskps.distribute.strategy import ParameterServerStrategy
 from daskps.errors import CancelledError, PSUnavailableError, RollbackWarning
 from daskps.ps import protocol, refs
-from daskps.ps.plugin import BATCH_TOPIC_PREFIX
+from daskps.ps.plugin import BATCH_TOPIC_PREFIX, LOST
 from daskps.training.checkpoint import CheckpointManager
 from daskps.ui.display import coordinator_html
 
@@ -332,6 +332,9 @@ class ClusterCoordinator:
     def _on_event(self, event: tuple[float, Any]) -> None:
         """On the client's event loop: functions finished on a trainer."""
         _, (batch_key, finished) = event
+        if batch_key == LOST:
+            self._on_lost(finished)
+            return
         with self._cond:
             took = sum(f[3] for f in finished) / len(finished)  # a few events to follow a change
             per = self._seconds_per_function
@@ -423,12 +426,23 @@ class ClusterCoordinator:
                 or closure.reruns >= MAX_RERUNS):
             return False
         closure.reruns += 1
-        self._requeue(closure)
         if not self._recovering and getattr(error, "server_key", None) not in protocol.MOVED:
-            self._recovering = True
-            self._rerun = 1
-            threading.Thread(target=self._recover, name="daskps-recover", daemon=True).start()
+            self._start_recovery()
+        self._requeue(closure)
         return True
+
+    def _on_lost(self, keys: list[str]) -> None:
+        """The scheduler saw the worker of servers ``keys`` leave: recover now, even with nothing running."""
+        with self._cond:
+            if (self._manager is not None and not self._recovering and not self._strategy.closed
+                    and self._client.status == "running" and any(k not in protocol.MOVED for k in keys)):
+                self._start_recovery()
+
+    def _start_recovery(self) -> None:
+        """Pause dispatch and recover in a thread (under the lock)."""
+        self._recovering = True
+        self._rerun = 0
+        threading.Thread(target=self._recover, name="daskps-recover", daemon=True).start()
 
     def _requeue(self, closure: _Closure) -> None:
         """Queue ``closure`` again, before the functions scheduled after it (under the lock)."""
@@ -508,7 +522,7 @@ class ClusterCoordinator:
         """
         try:
             with self._cond:
-                while self._pending and self._error is None:
+                while (self._pending or self._recovering) and self._error is None:
                     self._cond.wait(timeout=1.0)
                 if not self._pending:
                     self._joined_at = self.stats["scheduled"]
@@ -532,10 +546,13 @@ class ClusterCoordinator:
         return pending
 
     def done(self) -> bool:
-        """Whether every scheduled function has finished (raises a pending error)."""
+        """Whether every scheduled function has finished (raises a pending error).
+
+        ``False`` while a lost parameter server is being recovered.
+        """
         self._raise_pending_error()
         with self._cond:
-            return not self._pending
+            return not self._pending and not self._recovering
 
     def fetch(self, val: Any) -> Any:
         """Replace RemoteValues and variables in ``val`` by their numpy values.

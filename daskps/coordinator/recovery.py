@@ -26,6 +26,7 @@ or were cancelled because of the loss.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any
 
@@ -35,6 +36,7 @@ from dask.utils import parse_timedelta
 from daskps.distribute.cluster import cluster_workers
 from daskps.errors import PSUnavailableError
 from daskps.ps import protocol
+from daskps.ps.plugin import move_cleanups
 from daskps.ps.protocol import ServerRef
 
 
@@ -55,10 +57,10 @@ class Recovered:
         if self.checkpoint is None:
             text += " No checkpoint had been saved yet."
         else:
-            since = ("an unknown number of functions (the checkpoint was not saved by this coordinator)"
-                     if self.functions_since is None else f"{self.functions_since} function(s)")
-            text += (f" Rolled back to checkpoint {self.checkpoint}: {_names(self.rolled_back)}; the "
-                     f"updates {since} made to them after that checkpoint are lost.")
+            since = ("an unknown number of scheduled functions (it was not saved by this coordinator)"
+                     if self.functions_since is None else f"{self.functions_since} scheduled function(s)")
+            text += (f" Rolled back to checkpoint {self.checkpoint}: {_names(self.rolled_back)}; every update "
+                     f"made to them after it is lost ({since} finished since it was saved).")
         if self.reset:
             text += f" Back to their initial value (in no checkpoint): {_names(self.reset)}."
         text += f" {rerun} function(s) that failed or were cancelled by the loss run again."
@@ -95,7 +97,8 @@ def recover(strategy: Any, manager: Any, done: int) -> Recovered | None:
     for old in lost:
         assert old.task_id is not None
         host = _host(strategy, group, old, deadline)
-        pairs.append(group.replace(old.task_id, host, max(30.0, deadline - time.monotonic())))
+        pairs.append(group.replace(old.task_id, host, max(30.0, deadline - time.monotonic()),
+                                   functools.partial(_move_cleanups, group.client)))
     made = [_remake(group, old, new) for old, new in pairs]
     protocol.move({old.actor_key: new for old, new in pairs})
     variables = {r.key: r.name for keys in made for r in keys}
@@ -146,6 +149,11 @@ def _host(strategy: Any, group: Any, old: ServerRef, deadline: float) -> tuple[s
                 f"(`dask worker ADDRESS --resources {resource}=1`) and train again"
             )
         time.sleep(0.1)
+
+
+def _move_cleanups(client: Any, old: ServerRef, new: ServerRef) -> None:
+    """What the scheduler was to do once ``old`` went (have trainers forget datasets) waits for ``new``."""
+    client.run_on_scheduler(move_cleanups, old.actor_key, new.actor_key)
 
 
 def _remake(group: Any, old: ServerRef, new: ServerRef) -> list[Any]:

@@ -73,12 +73,12 @@ class ServerGroup:
                                   allow_other_workers=False, pure=False,
                                   key=server_key(task_id, self.token, self.generation))
 
-    def replace(self, task_id: int, worker: tuple[str, str], timeout: float) -> tuple[ServerRef, ServerRef]:
+    def replace(self, task_id: int, worker: tuple[str, str], timeout: float,
+                before_release: Any = None) -> tuple[ServerRef, ServerRef]:
         """Start an empty server ``task_id`` on ``worker`` (name, address) in place of a lost one.
 
-        Returns ``(old, new)``. The old actor's future is released, and what
-        the scheduler was to do once it went (dataset cleanups) now waits
-        for the new one.
+        Returns ``(old, new)``. ``before_release(old, new)`` is called before
+        the old actor's future is released (the scheduler forgets it then).
         """
         self.check_open("the parameter servers")
         old = self.servers[task_id]
@@ -91,9 +91,8 @@ class ServerGroup:
             raise PSUnavailableError(f"parameter server ps:{task_id} was lost, and starting it again on "
                                      f"{worker[0]} ({worker[1]}) failed: {type(exc).__name__}: {exc}") from exc
         new = ServerRef(worker[1], str(future.key), task_id, channel)
-        from daskps.ps.plugin import move_cleanups  # (the plugin module imports this one)
-
-        self.client.run_on_scheduler(move_cleanups, old.actor_key, new.actor_key)
+        if before_release is not None:
+            before_release(old, new)
         previous, self._futures[task_id] = self._futures[task_id], future
         self.servers[task_id] = new
         self.worker_names[task_id] = worker[0]

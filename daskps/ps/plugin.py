@@ -30,6 +30,8 @@ PLUGIN_NAME = "daskps"
 BATCH_TOPIC_PREFIX = "daskps-batches-"
 REPORTED_HANDLER = "daskps_reported"
 TRAINERS_HANDLER = "daskps_trainers"
+# Logged on a strategy's batch topic when the worker of one of its servers leaves: [LOST, [actor keys]].
+LOST = "daskps-lost-servers"
 
 
 class DaskPSSchedulerPlugin(SchedulerPlugin):
@@ -45,6 +47,7 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
         self.cleanups: dict[str, dict[str, tuple[bytes, bytes]]] = {}  # server key -> id -> (function, args)
         self.reported: dict[str, set[int]] = {}  # batch key -> functions whose result went out
         self.replaced: dict[str, str] = {}  # actor key of a lost server -> the server that took its place
+        self.hosts: dict[str, str] = {}  # actor key -> worker address, until the key is forgotten
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
@@ -64,9 +67,11 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
         ts = self.scheduler.tasks.get(key) if self.scheduler is not None else None
         where = kwargs.get("worker") or (next(iter(ts.who_has)).address if ts is not None and ts.who_has else None)
         if finish == "memory" and where:
-            self.servers[key] = where
+            self.servers[key] = self.hosts[key] = where
         elif finish in ("forgotten", "released", "erred"):
             self.servers.pop(key, None)
+            if finish == "forgotten":
+                self.hosts.pop(key, None)
             todo = self.cleanups.pop(key, {}) if finish == "forgotten" else {}
             if todo and self.scheduler is not None:
                 asyncio.ensure_future(_run_on_workers(self.scheduler, list(todo.values())))
@@ -76,6 +81,8 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
         if not topic.startswith(BATCH_TOPIC_PREFIX):
             return
         batch_key, finished = msg
+        if batch_key == LOST:
+            return
         reported = self.reported.setdefault(batch_key, set())
         ts = self.scheduler.tasks.get(batch_key) if self.scheduler is not None else None
         where = ts.processing_on.address if ts is not None and ts.processing_on is not None else None
@@ -101,6 +108,12 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
         servers = [s for s in self.server_refs() if s.address != worker]
         if servers:
             asyncio.ensure_future(protocol.forget_place_async(scheduler.rpc, servers, worker))
+        lost: dict[str, list[str]] = {}  # servers that lived there, by strategy: tell their coordinators
+        for key in [k for k, address in self.hosts.items() if address == worker]:
+            del self.hosts[key]
+            lost.setdefault(parse_server_key(key)[1], []).append(key)  # type: ignore[index]
+        for token, keys in lost.items():
+            scheduler.log_event(f"{BATCH_TOPIC_PREFIX}{token}", [LOST, keys])
 
 
 async def _run_on_workers(scheduler: Any, calls: list[tuple[bytes, bytes]]) -> None:
