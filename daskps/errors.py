@@ -7,9 +7,8 @@ The hierarchy::
     ├── ClosedError             the strategy (or the Dask client) was closed
     ├── CancelledError          a scheduled function was cancelled
     ├── OutOfRangeError         a per-worker iterator is exhausted
-    └── NotScheduledError       a worker-only API used outside a scheduled function
-
-    RollbackWarning             a lost parameter server was re-created and rolled back to a checkpoint
+    ├── NotScheduledError       a worker-only API used outside a scheduled function
+    └── RollbackWarning         a warning (UserWarning too): a lost server was rolled back to a checkpoint
 
 Bad arguments raise the built-in ``ValueError``, ``TypeError`` or
 ``IndexError`` with a message naming the argument; those are not listed here.
@@ -65,7 +64,7 @@ class NotScheduledError(DaskPSError, RuntimeError):
     """A worker-side API was used outside a function run by a worker."""
 
 
-class RollbackWarning(UserWarning):
+class RollbackWarning(DaskPSError, UserWarning):
     """A lost parameter server was re-created and its variables restored from a checkpoint.
 
     Given by a ``ClusterCoordinator`` that has a checkpoint manager. The
