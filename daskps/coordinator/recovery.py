@@ -28,14 +28,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import uuid
 from typing import Any
 
 import dask.config
 from dask.utils import parse_timedelta
+from distributed import wait
 
 from daskps.distribute.cluster import cluster_workers
 from daskps.errors import PSUnavailableError
-from daskps.ps import protocol
+from daskps.ps import protocol, refs
 from daskps.ps.plugin import move_cleanups
 from daskps.ps.protocol import ServerRef
 
@@ -49,11 +51,12 @@ class Recovered:
     rolled_back: list[str]  # tensors restored from the checkpoint
     reset: list[str]  # variables the checkpoint lacks: back to their initial value
     functions_since: int | None  # functions finished after the checkpoint was saved (None: unknown)
+    seconds: float = 0.0  # from noticing the loss to the servers restored
 
     def describe(self, rerun: int) -> str:
         where = "; ".join(f"ps:{old.task_id} (was at {old.address}) now runs at {new.address}"
                           for old, new in self.servers)
-        text = f"daskps: lost parameter server re-created: {where}."
+        text = f"daskps: lost parameter server re-created in {self.seconds:.1f}s: {where}."
         if self.checkpoint is None:
             text += " No checkpoint had been saved yet."
         else:
@@ -73,10 +76,18 @@ def _names(names: list[str]) -> str:
 
 
 def lost_servers(group: Any) -> list[ServerRef]:
-    """The servers of ``group`` that do not answer."""
+    """The servers of ``group`` that are gone: their worker left the scheduler, or they say so.
+
+    A server whose worker is still there but does not answer in time (busy
+    writing a large checkpoint, say) is not lost: only an answer that it
+    cannot be reached or its actor is gone counts.
+    """
+    live = set(cluster_workers(group.client))
     servers = list(group.servers)
-    answers = protocol.stats(servers, group, timeout=parse_timedelta(dask.config.get("daskps.connect-timeout", "5s")))
-    return [s for s, a in zip(servers, answers) if isinstance(a, BaseException)]
+    gone = [s for s in servers if s.address not in live]
+    rest = [s for s in servers if s.address in live]
+    answers = protocol.stats(rest, group, timeout=parse_timedelta(dask.config.get("daskps.connect-timeout", "5s")))
+    return gone + [s for s, a in zip(rest, answers) if isinstance(a, PSUnavailableError)]
 
 
 def recover(strategy: Any, manager: Any, done: int) -> Recovered | None:
@@ -87,6 +98,7 @@ def recover(strategy: Any, manager: Any, done: int) -> Recovered | None:
     server's place in time (config ``daskps.recovery-timeout``), or the
     checkpoint cannot be restored.
     """
+    started = time.monotonic()
     group = strategy._group
     lost = lost_servers(group)
     if not lost:
@@ -101,6 +113,7 @@ def recover(strategy: Any, manager: Any, done: int) -> Recovered | None:
                                    functools.partial(_move_cleanups, group.client)))
     made = [_remake(group, old, new) for old, new in pairs]
     protocol.move({old.actor_key: new for old, new in pairs})
+    _tell_workers(group.client, dict(protocol.MOVED))
     variables = {r.key: r.name for keys in made for r in keys}
     latest = manager.latest_checkpoint
     rolled_back: list[str] = []
@@ -120,7 +133,7 @@ def recover(strategy: Any, manager: Any, done: int) -> Recovered | None:
                 variables.pop(key, None)
     since = manager._done_at.get(latest) if latest is not None else None
     return Recovered(pairs, latest, rolled_back, sorted(set(variables.values())),
-                     None if since is None else max(0, done - since))
+                     None if since is None else max(0, done - since), time.monotonic() - started)
 
 
 def _host(strategy: Any, group: Any, old: ServerRef, deadline: float) -> tuple[str, str]:
@@ -149,6 +162,32 @@ def _host(strategy: Any, group: Any, old: ServerRef, deadline: float) -> tuple[s
                 f"(`dask worker ADDRESS --resources {resource}=1`) and train again"
             )
         time.sleep(0.1)
+
+
+# Seconds the recovery waits for every worker to point its handles at the new servers.
+FOLLOW_WAIT = 2.0
+
+
+def _tell_workers(client: Any, moves: dict[str, ServerRef]) -> None:
+    """Have every worker point its handles at the new servers now, not with its next batch.
+
+    Until a trainer has counted the handles it keeps (a cache) on the new
+    server, that server counts only the coordinator's: one the coordinator
+    dropped meanwhile would go while the trainer still holds it. One task
+    per worker, in its thread like a batch; a worker too busy to answer in
+    time follows with its next batch.
+    """
+    token = uuid.uuid4().hex[:8]
+    futures = [client.submit(refs.follow, moves, workers=[address], allow_other_workers=False, pure=False,
+                             key=f"daskps-follow-{token}-{i}")
+               for i, address in enumerate(cluster_workers(client))]
+    try:
+        wait(futures, timeout=FOLLOW_WAIT)
+    except Exception:
+        pass
+    finally:
+        for future in futures:
+            future.release()
 
 
 def _move_cleanups(client: Any, old: ServerRef, new: ServerRef) -> None:

@@ -12,6 +12,7 @@ servers outlive the strategy object for as long as anything needs them;
 from __future__ import annotations
 
 import re
+import threading
 import uuid
 import weakref
 from typing import Any
@@ -61,6 +62,7 @@ class ServerGroup:
         self.closed = False
         self.worker_names = [name for name, _ in ps_workers]  # where each server lives (by worker name)
         self.generation = 0  # servers re-created so far
+        self._lock = threading.Lock()  # replace() (in the recovery thread) against close()
         self._futures = [self._submit(i, addr) for i, (_, addr) in enumerate(ps_workers)]
         channels = [fut.result().channel for fut in self._futures]
         self.servers = [ServerRef(addr, str(fut.key), i, ch)
@@ -93,9 +95,13 @@ class ServerGroup:
         new = ServerRef(worker[1], str(future.key), task_id, channel)
         if before_release is not None:
             before_release(old, new)
-        previous, self._futures[task_id] = self._futures[task_id], future
-        self.servers[task_id] = new
-        self.worker_names[task_id] = worker[0]
+        with self._lock:
+            if self.closed:  # strategy.close() meanwhile: the new server must not outlive its group
+                future.release()
+                self.check_open("the parameter servers")
+            previous, self._futures[task_id] = self._futures[task_id], future
+            self.servers[task_id] = new
+            self.worker_names[task_id] = worker[0]
         protocol.forget_channels([old])
         previous.release()
         return old, new
@@ -114,10 +120,11 @@ class ServerGroup:
 
     def close(self) -> None:
         """Release the actors now (their variables go with them); later calls raise ``ClosedError``."""
-        if self.closed:
-            return
-        self.closed = True
-        futures, self._futures = self._futures, []
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            futures, self._futures = self._futures, []
         protocol.forget_channels(self.servers)
         for fut in futures:
             try:

@@ -461,14 +461,24 @@ def _check_client(owner: Any) -> None:
 
 
 def _lost(server: ServerRef, owner: Any, exc: OSError) -> BaseException:
-    """The channel failed: ask through Dask what happened to the server, for an accurate error."""
+    """The channel failed: ask through Dask what happened to the server, for an accurate error.
+
+    Briefly (``LOST_PROBE`` seconds): Dask retries a refused connection
+    until its connect timeout, and a dead server should be reported at once.
+    """
     try:
-        transport_here(owner).run({server: [("stats", ())]})
-    except PSUnavailableError as reason:
-        return reason
+        reason = transport_here(owner).run_each({server: [("stats", ())]}, LOST_PROBE)[server]
     except Exception:
-        pass
-    return _unavailable(server, "dropped its channel", exc)
+        reason = None
+    if isinstance(reason, PSUnavailableError):
+        return reason
+    if isinstance(reason, list):  # it answers Dask: only the channel broke
+        return _unavailable(server, "dropped its channel", exc)
+    return _unavailable(server, "cannot be reached: its worker died or is cut off", exc)
+
+
+# Seconds to wait for Dask's account of a server whose channel failed.
+LOST_PROBE = 1.0
 
 
 def _push(calls: list[tuple[ServerRef, str, tuple]], owner: Any) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import traceback
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -138,6 +139,11 @@ def borrowing() -> Iterator[None]:
     token = _BORROWED.set(made)
     try:
         yield
+    except BaseException as exc:
+        # The failed function's frames (kept by the traceback) are not places handles escape to:
+        # acquiring those would only delay the error, by a connect timeout when a server is gone.
+        traceback.clear_frames(exc.__traceback__)
+        raise
     finally:
         _BORROWED.reset(token)
         escaped = [r for r in (w() for w in made) if r is not None and not r.registered]
