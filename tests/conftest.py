@@ -66,6 +66,32 @@ def kill_worker(client: Client, name: str) -> str:
     return addr
 
 
+def wait_done(coordinator, n: int, timeout: float = 60) -> None:
+    """Wait until ``coordinator`` has finished ``n`` functions."""
+    deadline = time.monotonic() + timeout
+    while coordinator.summary()["done"] < n:
+        assert time.monotonic() < deadline, coordinator.summary()
+        time.sleep(0.01)
+
+
+def two_ps_training(client: Client, directory, sleep: float = 0.0):
+    """Variable ``a`` on ps-0 and ``b`` on ps-1, a checkpoint manager in ``directory``, its coordinator,
+    and a step adding 1 to both: ``(strategy, a, b, manager, coordinator, step)``."""
+    strategy = dps.ParameterServerStrategy(client)
+    with strategy.scope():
+        a = dps.Variable(0.0, name="a")  # ps-0
+        b = dps.Variable(0.0, name="b")  # ps-1
+    manager = dps.CheckpointManager(dps.Checkpoint(a=a, b=b), str(directory))
+    coordinator = dps.ClusterCoordinator(strategy, checkpoint_manager=manager)
+
+    def step():
+        time.sleep(sleep)
+        a.assign_add(1.0)
+        b.assign_add(1.0)
+
+    return strategy, a, b, manager, coordinator, step
+
+
 def wait_for_worker(client: Client, name: str, old_address: str, timeout: float = 60) -> str:
     """Wait until the Nanny has brought ``name`` back at a new address."""
     deadline = time.monotonic() + timeout

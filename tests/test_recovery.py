@@ -11,7 +11,7 @@ import pytest
 import daskps as dps
 from daskps.errors import PSUnavailableError, RollbackWarning
 
-from .conftest import kill_worker, worker_address
+from .conftest import kill_worker, two_ps_training, wait_done, worker_address
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -22,13 +22,6 @@ def _step(a, b, opt, it):
     a.assign_add(1.0)
     opt.apply_gradients([(np.float32(-1.0), b)])  # SGD, learning rate 1: b += 1
     return x
-
-
-def _wait_done(coordinator, n, timeout=60):
-    deadline = time.monotonic() + timeout
-    while coordinator.summary()["done"] < n:
-        assert time.monotonic() < deadline, coordinator.summary()
-        time.sleep(0.01)
 
 
 def test_killed_ps_is_recreated_and_restored_while_400_functions_are_pending(fresh_cluster, tmp_path):
@@ -55,7 +48,7 @@ def test_killed_ps_is_recreated_and_restored_while_400_functions_are_pending(fre
     counter.assign(5.0)  # after the checkpoint, on the server that will be lost
 
     remotes = [coordinator.schedule(step) for _ in range(400)]
-    _wait_done(coordinator, 70)
+    wait_done(coordinator, 70)
     kill_worker(client, "ps-0")
     with pytest.warns(RollbackWarning) as caught:
         coordinator.join()
@@ -96,7 +89,7 @@ def test_without_a_manager_a_lost_ps_raises_promptly_and_says_what_to_do(fresh_c
 
     for _ in range(200):
         coordinator.schedule(step)
-    _wait_done(coordinator, 10)
+    wait_done(coordinator, 10)
     kill_worker(client, "ps-0")
     started = time.monotonic()
     with pytest.raises(PSUnavailableError, match=r"ps:0.*'a'.*checkpoint_manager=manager"):
@@ -131,7 +124,7 @@ def test_manager_given_later_and_recovery_before_any_checkpoint(fresh_cluster, t
 
     for _ in range(300):
         coordinator.schedule(step)
-    _wait_done(coordinator, 20)
+    wait_done(coordinator, 20)
     kill_worker(client, "ps-0")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -196,16 +189,7 @@ def test_a_ps_gone_for_good_is_recreated_on_another_ps_worker(fresh_cluster, tmp
     import dask.config
 
     cluster, client = fresh_cluster
-    strategy = dps.ParameterServerStrategy(client)
-    with strategy.scope():
-        a = dps.Variable(0.0, name="a")  # ps-0
-        b = dps.Variable(0.0, name="b")  # ps-1
-    manager = dps.CheckpointManager(dps.Checkpoint(a=a, b=b), str(tmp_path))
-    coordinator = dps.ClusterCoordinator(strategy, checkpoint_manager=manager)
-
-    def step():
-        a.assign_add(1.0)
-        b.assign_add(1.0)
+    strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path)
 
     coordinator.schedule(step)
     coordinator.join()
@@ -252,16 +236,7 @@ def test_server_keys_of_recreated_servers_parse():
 def test_a_ps_lost_while_nothing_runs_is_recovered_at_once(fresh_cluster, tmp_path):
     """The scheduler tells the coordinator when a server's worker leaves: no function has to fail first."""
     cluster, client = fresh_cluster
-    strategy = dps.ParameterServerStrategy(client)
-    with strategy.scope():
-        a = dps.Variable(0.0, name="a")  # ps-0
-        b = dps.Variable(0.0, name="b")  # ps-1
-    manager = dps.CheckpointManager(dps.Checkpoint(a=a, b=b), str(tmp_path))
-    coordinator = dps.ClusterCoordinator(strategy, checkpoint_manager=manager)
-
-    def step():
-        a.assign_add(1.0)
-        b.assign_add(1.0)
+    strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path)
 
     for _ in range(10):
         coordinator.schedule(step)

@@ -11,14 +11,7 @@ import pytest
 import daskps as dps
 from daskps.errors import RollbackWarning
 
-from .conftest import kill_worker, worker_address
-
-
-def _wait_done(coordinator, n, timeout=60):
-    deadline = time.monotonic() + timeout
-    while coordinator.summary()["done"] < n:
-        assert time.monotonic() < deadline, coordinator.summary()
-        time.sleep(0.01)
+from .conftest import kill_worker, two_ps_training, wait_done, worker_address
 
 
 def _join_recording(coordinator):
@@ -32,17 +25,7 @@ def _join_recording(coordinator):
 def test_same_ps_killed_twice(fresh_cluster, tmp_path):
     """ps-0 is lost, re-created on its restarted worker, then lost again: recovered both times."""
     cluster, client = fresh_cluster
-    strategy = dps.ParameterServerStrategy(client)
-    with strategy.scope():
-        a = dps.Variable(0.0, name="a")  # ps-0
-        b = dps.Variable(0.0, name="b")  # ps-1
-    manager = dps.CheckpointManager(dps.Checkpoint(a=a, b=b), str(tmp_path))
-    coordinator = dps.ClusterCoordinator(strategy, checkpoint_manager=manager)
-
-    def step():
-        time.sleep(0.005)
-        a.assign_add(1.0)
-        b.assign_add(1.0)
+    strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path, sleep=0.005)
 
     for _ in range(20):
         coordinator.schedule(step)
@@ -51,7 +34,7 @@ def test_same_ps_killed_twice(fresh_cluster, tmp_path):
     for round_ in range(2):
         for _ in range(200):
             coordinator.schedule(step)
-        _wait_done(coordinator, coordinator.summary()["done"] + 10)
+        wait_done(coordinator, coordinator.summary()["done"] + 10)
         kill_worker(client, "ps-0")
         caught = _join_recording(coordinator)
         assert len(caught) == 1, (round_, [str(w.message) for w in caught])
@@ -68,24 +51,14 @@ def test_same_ps_killed_twice(fresh_cluster, tmp_path):
 @pytest.mark.timeout(180)
 def test_both_ps_killed_at_once(fresh_cluster, tmp_path):
     cluster, client = fresh_cluster
-    strategy = dps.ParameterServerStrategy(client)
-    with strategy.scope():
-        a = dps.Variable(0.0, name="a")  # ps-0
-        b = dps.Variable(0.0, name="b")  # ps-1
-    manager = dps.CheckpointManager(dps.Checkpoint(a=a, b=b), str(tmp_path))
-    coordinator = dps.ClusterCoordinator(strategy, checkpoint_manager=manager)
-
-    def step():
-        time.sleep(0.005)
-        a.assign_add(1.0)
-        b.assign_add(1.0)
+    strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path, sleep=0.005)
 
     for _ in range(20):
         coordinator.schedule(step)
     coordinator.join()
     manager.save()
     remotes = [coordinator.schedule(step) for _ in range(200)]
-    _wait_done(coordinator, 40)
+    wait_done(coordinator, 40)
     kill_worker(client, "ps-0")
     kill_worker(client, "ps-1")
     caught = _join_recording(coordinator)
@@ -201,7 +174,7 @@ def test_ps_and_trainer_killed_together(fresh_cluster, tmp_path):
     coordinator.join()
     manager.save()
     remotes = [coordinator.schedule(step, args=(i,)) for i in range(300)]
-    _wait_done(coordinator, 40)
+    wait_done(coordinator, 40)
     kill_worker(client, "worker-0")
     kill_worker(client, "ps-0")
     caught = _join_recording(coordinator)
@@ -285,24 +258,14 @@ def _actors(dask_worker=None):
 @pytest.mark.timeout(180)
 def test_strategy_close_during_recovery_leaves_no_server(fresh_cluster, tmp_path):
     cluster, client = fresh_cluster
-    strategy = dps.ParameterServerStrategy(client)
-    with strategy.scope():
-        a = dps.Variable(0.0, name="a")  # ps-0
-        b = dps.Variable(0.0, name="b")  # ps-1
-    manager = dps.CheckpointManager(dps.Checkpoint(a=a, b=b), str(tmp_path))
-    coordinator = dps.ClusterCoordinator(strategy, checkpoint_manager=manager)
-
-    def step():
-        time.sleep(0.01)
-        a.assign_add(1.0)
-        b.assign_add(1.0)
+    strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path, sleep=0.01)
 
     coordinator.schedule(step)
     coordinator.join()
     manager.save()
     for _ in range(100):
         coordinator.schedule(step)
-    _wait_done(coordinator, 10)
+    wait_done(coordinator, 10)
     kill_worker(client, "ps-0")
     deadline = time.monotonic() + 30
     while not coordinator._recovering:
