@@ -110,6 +110,19 @@ def test_mismatched_objects_are_listed_and_nothing_changes(client, tmp_path):
     np.testing.assert_array_equal(np.asarray(t2), before)
 
 
+def test_an_optimizer_made_outside_the_scope_is_refused_for_server_variables(client, tmp_path):
+    _, table, dense, opt, loss = build(client, 2)
+    train(table, dense, opt, loss, 2)
+    path = dps.Checkpoint(table=table, dense=dense, opt=opt).write(str(tmp_path / "c"))
+    outside = dps.optimizers.Adam(0.1)  # outside strategy.scope(): its state stays in this process
+    before = values(table, dense, opt, loss)
+    with pytest.raises(ValueError, match=r"optimizer 'opt' .* was created outside strategy.scope\(\)"):
+        dps.Checkpoint(table=table, dense=dense, opt=outside).restore(path)
+    after = values(table, dense, opt, loss)
+    for x, y in zip(before, after):
+        np.testing.assert_array_equal(x, y)
+
+
 def test_restore_needs_a_committed_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="no manifest.json"):
         dps.Checkpoint(v=dps.Variable([1.0])).restore(str(tmp_path / "nothing"))

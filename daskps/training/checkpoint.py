@@ -187,6 +187,7 @@ class Checkpoint:
                        and any(v._ref.server in servers for v, _ in t.parts)}
         slots_of = _slot_index(saved)
         _check_match(tensors, saved, slots_of, path)
+        _check_optimizers_reach(tensors, optimizers, slots_of, path)
         items = []
         for name, t in tensors.items():
             for v, offset in t.parts:
@@ -341,6 +342,30 @@ def _check_match(tensors: dict[str, _Tensor], saved: dict, slots_of: dict, path:
         unused = sorted(n for n in saved if n not in tensors and f"/{ckpt_io.SLOT}/" not in n)
         hint = f"\n  (in the checkpoint but not asked for: {', '.join(unused)})" if unused else ""
         raise ValueError(f"cannot restore from {path!r}; nothing was changed:\n  " + "\n  ".join(problems) + hint)
+
+
+def _check_optimizers_reach(tensors: dict[str, _Tensor], optimizers: dict[str, Optimizer], slots_of: dict,
+                            path: str) -> None:
+    """Refuse, before any server reads, slots for a variable on a server its optimizer is not on.
+
+    That is an optimizer made outside ``strategy.scope()`` restored with
+    variables made inside it: it keeps its state in this process only.
+    """
+    for name, t in tensors.items():
+        if not t.slotted:
+            continue
+        for opt_path, opt in optimizers.items():
+            if opt_path not in slots_of.get(name, {}):
+                continue
+            reach = {r.server for r in opt._refs}
+            for v, _ in t.parts:
+                if v._ref.server not in reach:
+                    raise ValueError(
+                        f"cannot restore from {path!r}; nothing was changed: optimizer {opt_path!r} "
+                        f"({opt.name!r}) has slots for {name!r}, which lives on {v._ref.server.label}, but the "
+                        "optimizer was created outside strategy.scope() and keeps its state in this process "
+                        "only; create it inside the scope"
+                    )
 
 
 def _saved_slots(slots_of: dict, tensor: str, opt_path: str) -> dict | None:
