@@ -622,3 +622,11 @@ def test_a_cluster_without_ps_or_trainers_is_refused(make, missing):
         assert type(info.value) is ValueError
         # Refused before any parameter-server actor was started: the scheduler holds no task.
         assert client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.tasks)) == []
+
+
+def test_an_initial_value_that_is_not_numbers_is_named(state):
+    with nothing_changes(state), state.strategy.scope():
+        with pytest.raises(TypeError, match=r"initial_value of variable 'strings.*' cannot be an array of dtype float32"):
+            dps.Variable(lambda shape, dtype: np.array(["x"] * shape[0]), shape=(2,), dtype="float32", name="strings")
+        with pytest.raises(ValueError, match="initial_value must be an array-like of one shape"):
+            dps.Variable([[1.0, 2.0], [3.0]], name="ragged")

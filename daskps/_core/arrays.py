@@ -29,7 +29,10 @@ def _typed(value: Any) -> bool:
 
 def default_array(value: Any, arg: str = "value") -> np.ndarray:
     """``value`` as a numeric array; Python numbers default to float32/int32."""
-    arr = np.asarray(value)
+    try:
+        arr = np.asarray(value)
+    except ValueError as exc:  # ragged nested lists
+        raise ValueError(f"{arg} must be an array-like of one shape: {exc}") from None
     if not _typed(value):
         arr = arr.astype(PYTHON_DEFAULTS.get(arr.dtype, arr.dtype), copy=False)
     if arr.dtype.kind not in "biufc":
@@ -123,7 +126,11 @@ def materialize(value: Any, dtype: np.dtype | None, shape: tuple | None, name: s
     value is an initializer's new array (a large one need not exist twice).
     """
     private = fresh and isinstance(value, np.ndarray) and value.flags.owndata and value.flags.writeable
-    arr = np.array(value, dtype=dtype, copy=None if private else True)
+    try:
+        arr = np.array(value, dtype=dtype, copy=None if private else True)
+    except (TypeError, ValueError) as exc:  # strings into a float variable, ragged lists, ...
+        raise TypeError(f"initial_value of variable {name!r} cannot be an array of dtype "
+                        f"{np.dtype(dtype) if dtype is not None else 'numbers'}: {exc}") from None
     if dtype is None and not _typed(value):
         arr = arr.astype(PYTHON_DEFAULTS.get(arr.dtype, arr.dtype), copy=False)
     if shape is not None and arr.shape != tuple(shape):
