@@ -21,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--steps-per-epoch", type=int, default=defaults.steps_per_epoch)
     demo.add_argument("--checkpoint-dir", default=defaults.checkpoint_dir,
                       help="where checkpoints go (any fsspec URL); a rerun resumes from the latest")
+    demo.add_argument("--kill-ps", type=int, default=None, metavar="EPOCH",
+                      help="SIGKILL parameter server ps-0 part-way through this epoch, to watch it be recovered")
     args = parser.parse_args(argv)
     config = DemoConfig(
         num_ps=args.num_ps,
@@ -28,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         epochs=args.epochs,
         steps_per_epoch=args.steps_per_epoch,
         checkpoint_dir=args.checkpoint_dir,
+        kill_ps_at_epoch=args.kill_ps,
     )
     result = run_demo(config)
     learned = result["epochs_trained"] == 0 or result["log_loss"] < result["start_log_loss"]

@@ -9,12 +9,19 @@ with a server-side Adam optimizer (row-local for the table). Each epoch ends
 with a checkpoint; a second run resumes from the latest one. The run checks
 itself: the student's test log-loss should approach the teacher's own (the
 best possible) and its AUC the teacher's.
+
+The coordinator has the checkpoint manager, so a parameter server lost
+during training is re-created and restored from the latest checkpoint;
+``kill_ps_at_epoch`` SIGKILLs ``ps-0`` part-way through that epoch to show it.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,6 +45,7 @@ class DemoConfig:
     learning_rate: float = 0.05
     checkpoint_dir: str = "daskps-demo-checkpoints"
     seed: int = 0
+    kill_ps_at_epoch: int | None = None  # SIGKILL ps-0 part-way through this epoch (a local cluster's)
 
 
 def teacher(seed: int) -> dict[str, np.ndarray]:
@@ -111,6 +119,21 @@ def run_demo(config: DemoConfig = DemoConfig(), cluster=None, log=print) -> dict
             cluster.close()
 
 
+def _kill_ps_soon(client, coordinator, after: int, log) -> None:
+    """SIGKILL the process of worker ``ps-0`` once ``after`` more functions have finished (in a thread)."""
+    start = coordinator.summary()["done"]
+    info = client.run(lambda dask_worker: (dask_worker.name, os.getpid()))
+    pid = next(pid for name, pid in info.values() if name == "ps-0")
+
+    def kill() -> None:
+        while coordinator.summary()["done"] < start + after and coordinator.summary()["in_flight"]:
+            time.sleep(0.01)
+        log(f"killing ps-0 (pid {pid}) with {coordinator.summary()['in_flight']} functions pending")
+        os.kill(pid, signal.SIGKILL)
+
+    threading.Thread(target=kill, daemon=True).start()
+
+
 def _build(config: DemoConfig, client):
     partitioner = dps.partitioners.MinSizePartitioner(min_shard_bytes=64 << 10, max_shards=config.num_ps)
     strategy = dps.ParameterServerStrategy(client, variable_partitioner=partitioner)
@@ -136,13 +159,13 @@ def _train(config: DemoConfig, cluster, log) -> dict:
     client = cluster.get_client()
     log(f"dashboard: {cluster.dashboard_link}")
     strategy, model, optimizer, train_loss = _build(config, client)
-    coordinator = dps.ClusterCoordinator(strategy)
     table, u, w, b = model["table"], model["u"], model["w"], model["b"]
     log(f"embedding table {table.shape} in {len(getattr(table, 'variables', [table]))} shards: "
         + ", ".join(v.device.split("/")[3].replace("task:", "ps ") for v in getattr(table, "variables", [table])))
     ckpt = dps.Checkpoint(model=model, optimizer=optimizer)
     directory = os.path.abspath(config.checkpoint_dir) if "://" not in config.checkpoint_dir else config.checkpoint_dir
     manager = dps.CheckpointManager(ckpt, directory, max_to_keep=3)
+    coordinator = dps.ClusterCoordinator(strategy, checkpoint_manager=manager)  # lost servers come back
     restored = manager.restore_or_initialize()
     done = ckpt.save_counter if restored else 0
     if restored:
@@ -182,7 +205,14 @@ def _train(config: DemoConfig, cluster, log) -> dict:
         train_loss.reset_state()
         for _ in range(calls):
             coordinator.schedule(train_steps, args=(iterator,))
-        coordinator.join()
+        if epoch == config.kill_ps_at_epoch:
+            _kill_ps_soon(client, coordinator, calls // 3, log)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", dps.errors.RollbackWarning)
+            coordinator.join()
+        for warning in caught:
+            log(str(warning.message)) if issubclass(warning.category, dps.errors.RollbackWarning) else \
+                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
         metrics = evaluate()
         path = manager.save()
         assert path is not None  # no checkpoint_interval: every save writes

@@ -41,3 +41,16 @@ def test_example_script_trains(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     accuracy = float(out.stdout.strip().splitlines()[-1].rsplit(" ", 1)[1])
     assert accuracy > 0.9
+
+
+def test_demo_survives_a_killed_parameter_server(fresh_cluster, tmp_path):
+    """`daskps demo --kill-ps 2`: ps-0 SIGKILLed part-way through epoch 2; training goes on from ckpt-1."""
+    cluster, _ = fresh_cluster
+    lines = []
+    result = run_demo(DemoConfig(epochs=3, steps_per_epoch=60, kill_ps_at_epoch=2,
+                                 checkpoint_dir=str(tmp_path / "ckpts")), cluster=cluster, log=lines.append)
+    assert any(line.startswith("killing ps-0") for line in lines), lines
+    recovered = [line for line in lines if "lost parameter server re-created" in line]
+    assert len(recovered) == 1 and "ckpt-1" in recovered[0] and "'model/table'" in recovered[0], lines
+    assert result["epochs_trained"] == 3 and result["checkpoints"][-1].endswith("ckpt-3")
+    assert result["log_loss"] < result["start_log_loss"] - 0.1 and result["auc"] > 0.75

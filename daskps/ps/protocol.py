@@ -100,6 +100,7 @@ def _unavailable(server: ServerRef, what: str, exc: BaseException | None = None)
     cause = f" ({type(exc).__name__}: {exc})" if exc is not None else ""
     error = PSUnavailableError(_unavailable_text(f"parameter server {server.label} {what}{cause}.", server))
     error.server_key = server.actor_key  # type: ignore[attr-defined]  # which server (travels by pickle)
+    GONE.add(server.actor_key)
     error.daskps_what = f"parameter server {server.label} {what}{cause}."  # type: ignore[attr-defined]
     return error
 
@@ -120,6 +121,10 @@ def name_what_was_held(error: BaseException) -> None:
     server = next((s for s, _ in list(HANDLES) if s.actor_key == key), None) if key and what else None
     if server is not None and held_names(server):
         error.args = (_unavailable_text(what, server),)  # type: ignore[arg-type]
+
+
+# Actor keys of the servers this process found unreachable or gone (a re-created server has a new key).
+GONE: set[str] = set()
 
 
 # -- servers re-created after a loss ---------------------------------------------------
@@ -623,10 +628,12 @@ def acquire(pairs: Sequence[tuple[ServerRef, str]], holder: str, owner: Any = No
     Each server's acquire succeeds or fails whole; returns ``{server: None or the exception}``.
     """
     calls = _keyed_calls("acquire", pairs, holder)
-    remote = {s: [(op, args)] for s, op, args in calls if not s.is_local}
+    gone = {s: _unavailable(s, "was found gone earlier") for s, _, _ in calls if s.actor_key in GONE}
+    remote = {s: [(op, args)] for s, op, args in calls if not s.is_local and s not in gone}
     transport = transport_here(owner)
     found = transport.call(_each, transport, remote, 60.0) if remote else {}
-    out = {s: (r if isinstance(r, BaseException) else None) for s, r in found.items()}
+    out: dict[ServerRef, Any] = {s: (r if isinstance(r, BaseException) else None) for s, r in found.items()}
+    out.update(gone)  # (asking again would wait out Dask's connect retries)
     for s, op, args in calls:
         if s.is_local:
             try:

@@ -32,6 +32,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+from daskps.errors import PSUnavailableError
 from daskps.ps import protocol
 from daskps.ps.group import group_of
 from daskps.ps.protocol import ServerRef
@@ -142,13 +143,26 @@ def borrowing() -> Iterator[None]:
     except BaseException as exc:
         # The failed function's frames (kept by the traceback) are not places handles escape to:
         # acquiring those would only delay the error, by a connect timeout when a server is gone.
-        traceback.clear_frames(exc.__traceback__)
+        _clear_frames(exc)
         raise
     finally:
         _BORROWED.reset(token)
         escaped = [r for r in (w() for w in made) if r is not None and not r.registered]
         if escaped:
             _acquire(escaped)
+
+
+def _clear_frames(exc: BaseException) -> None:
+    """Drop the locals of the finished frames in ``exc``'s tracebacks, its causes' too."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        todo += [e.__cause__, e.__context__]
 
 
 def follow(moves: dict[str, ServerRef]) -> None:
@@ -173,6 +187,7 @@ def _acquire(refs: list[Ref]) -> None:
     for r in refs:
         if outcome.get(r.server) is None:
             r.register(holder)
-    failed = {s: e for s, e in outcome.items() if e is not None}
+    # A server that is gone has lost them anyway (its functions fail, or its coordinator recovers it).
+    failed = {s: e for s, e in outcome.items() if e is not None and not isinstance(e, PSUnavailableError)}
     if failed:  # the objects are gone already: the handles will say so when used
         logger.warning("daskps: could not keep handles alive on %s", {s.label: str(e) for s, e in failed.items()})
