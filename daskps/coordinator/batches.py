@@ -169,8 +169,10 @@ def _cancelled(worker: Any, key: str) -> bool:
 
 def _run_one(strategy: Any, blob: tuple[bytes, bytes]) -> tuple[str, bytes | None, Any]:
     """Run one scheduled function: ``(status, payload for the event, the value if too big)``."""
+    made: list[Any] = []  # the handles its unpickling made: those it leaves behind are acquired here
+    failed = None
     try:
-        with refs.borrowing():  # handles the function leaves behind are acquired for this worker
+        with refs.borrowing(made):
             fn = pickle.loads(blob[0])
             args, kwargs = pickle.loads(blob[1])
             if any(type(x) is PerWorkerValues for x in (*args, *kwargs.values())):
@@ -183,7 +185,11 @@ def _run_one(strategy: Any, blob: tuple[bytes, bytes]) -> tuple[str, bytes | Non
             finally:
                 del fn, args, kwargs
     except Exception as exc:
-        return ERROR, _pickled_error(exc), None
+        failed = _pickled_error(exc)
+        refs.drop_traceback(exc)  # its frames would keep the function's handles alive, as if left behind
+    refs.keep_escaped(made)
+    if failed is not None:
+        return ERROR, failed, None
     try:
         payload = dumps(value)
     except Exception as exc:

@@ -134,26 +134,29 @@ def collecting() -> Iterator[list[Any]]:
 
 
 @contextlib.contextmanager
-def borrowing() -> Iterator[None]:
-    """Around a scheduled function on a worker: acquire the handles it leaves behind."""
-    made: list[weakref.ref] = []
+def borrowing(made: list[weakref.ref]) -> Iterator[None]:
+    """Around a scheduled function on a worker: note in ``made`` the handles its unpickling makes.
+
+    Call :func:`keep_escaped` with ``made`` after the function, once any
+    exception it raised is dropped (a traceback keeps the function, and its
+    handles, alive).
+    """
     token = _BORROWED.set(made)
     try:
         yield
-    except BaseException as exc:
-        # The failed function's frames (kept by the traceback) are not places handles escape to:
-        # acquiring those would only delay the error, by a connect timeout when a server is gone.
-        _clear_frames(exc)
-        raise
     finally:
         _BORROWED.reset(token)
-        escaped = [r for r in (w() for w in made) if r is not None and not r.registered]
-        if escaped:
-            _acquire(escaped)
 
 
-def _clear_frames(exc: BaseException) -> None:
-    """Drop the locals of the finished frames in ``exc``'s tracebacks, its causes' too."""
+def keep_escaped(made: list[weakref.ref]) -> None:
+    """Acquire for this worker the handles of ``made`` still alive: the function left them behind."""
+    escaped = [r for r in (w() for w in made) if r is not None and not r.registered]
+    if escaped:
+        _acquire(escaped)
+
+
+def drop_traceback(exc: BaseException) -> None:
+    """Let go of the frames ``exc`` and its causes keep (and the handles in them); the text is kept elsewhere."""
     seen: set[int] = set()
     todo: list[BaseException | None] = [exc]
     while todo:
@@ -162,6 +165,7 @@ def _clear_frames(exc: BaseException) -> None:
             continue
         seen.add(id(e))
         traceback.clear_frames(e.__traceback__)
+        e.__traceback__ = None
         todo += [e.__cause__, e.__context__]
 
 
