@@ -218,10 +218,13 @@ def test_no_ps_worker_in_time_fails_join_with_a_clear_error(fresh_cluster, tmp_p
     with dask.config.set({"daskps.recovery-timeout": "2s"}):
         _kill_for_good(cluster, client, "ps-0")
         _kill_for_good(cluster, client, "ps-1")
-        coordinator.schedule(lambda: a.assign_add(1.0) and None)
+        remotes = [coordinator.schedule(lambda: a.assign_add(1.0) and None) for _ in range(5)]
         with pytest.raises(PSUnavailableError, match=r"ps:\d was lost and no worker with resource 'ps' came"):
             coordinator.join()
     assert coordinator.done() and not coordinator.recoveries
+    for r in remotes:  # queued again for the recovery, then cancelled with the error: none waits forever
+        with pytest.raises((dps.errors.CancelledError, PSUnavailableError)):
+            r.fetch()
 
 
 def test_server_keys_of_recreated_servers_parse():

@@ -222,6 +222,7 @@ class ClusterCoordinator:
         self._trainers_at = time.monotonic()
         self._manager = None
         self._recovering = False  # a lost server is being re-created: dispatch waits
+        self._halted = False  # a recovery failed: nothing more is dispatched until its error is raised
         self._lossy: set[str] = set()  # batches stopped by a lost server: their unrun functions run again
         self._rerun = 0  # functions run again since the last recovery began
         self.recoveries: list[Any] = []  # what each recovery did (daskps.coordinator.recovery.Recovered)
@@ -297,8 +298,8 @@ class ClusterCoordinator:
             asyncio.ensure_future(self._count_trainers())
         with self._cond:
             self._pump_queued = False
-            if self._recovering:
-                return  # resumed when the lost server is back
+            if self._recovering or self._halted:
+                return  # resumed when the lost server is back; after a failed recovery, join() raises
             moves = dict(protocol.MOVED)
             batches: list[list[_Closure]] = []
             while self._queue:
@@ -466,14 +467,16 @@ class ClusterCoordinator:
             rerun = self._rerun
             if report is not None:
                 self.recoveries.append(report)
-            if error is not None:
+            if error is not None:  # what is queued waits for join() to raise it (and cancel them)
                 self.last_error = error
                 self._error = self._error or error
-                self._cond.notify_all()
+                self._halted = True
+            self._cond.notify_all()
         if report is not None:
             warnings.warn(report.describe(rerun), RollbackWarning, stacklevel=1)
-        with contextlib.suppress(Exception):  # the client is closing: nothing to dispatch
-            self._loop.add_callback(self._pump)
+        if error is None:
+            with contextlib.suppress(Exception):  # the client is closing: nothing to dispatch
+                self._loop.add_callback(self._pump)
 
     # -- errors and waiting ----------------------------------------------------------
     def _raise_pending_error(self) -> None:
@@ -495,6 +498,7 @@ class ClusterCoordinator:
             cancelled = list(self._pending.values())
             self._pending.clear()
             self._queue.clear()
+            self._halted = False
             futures = [f for f, _ in self._batches.values()]
             self.stats["cancelled"] += len(cancelled)
             for c in cancelled:
