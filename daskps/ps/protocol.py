@@ -96,11 +96,12 @@ def held_names(server: ServerRef) -> list[str]:
     return sorted({h.name for (s, _), h in list(HANDLES.items()) if s == server and not h.name.startswith("<")})
 
 
-def _unavailable(server: ServerRef, what: str, exc: BaseException | None = None) -> PSUnavailableError:
+def _unavailable(server: ServerRef, what: str, exc: BaseException | None = None, gone: bool = True) -> PSUnavailableError:
     cause = f" ({type(exc).__name__}: {exc})" if exc is not None else ""
     error = PSUnavailableError(_unavailable_text(f"parameter server {server.label} {what}{cause}.", server))
     error.server_key = server.actor_key  # type: ignore[attr-defined]  # which server (travels by pickle)
-    GONE.add(server.actor_key)
+    if gone:  # unreachable or its actor gone, not just a broken channel
+        GONE.add(server.actor_key)
     error.daskps_what = f"parameter server {server.label} {what}{cause}."  # type: ignore[attr-defined]
     return error
 
@@ -478,7 +479,7 @@ def _lost(server: ServerRef, owner: Any, exc: OSError) -> BaseException:
     if isinstance(reason, PSUnavailableError):
         return reason
     if isinstance(reason, list):  # it answers Dask: only the channel broke
-        return _unavailable(server, "dropped its channel", exc)
+        return _unavailable(server, "dropped its channel", exc, gone=False)
     return _unavailable(server, "cannot be reached: its worker died or is cut off", exc)
 
 
