@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -119,19 +118,22 @@ def run_demo(config: DemoConfig = DemoConfig(), cluster=None, log=print) -> dict
             cluster.close()
 
 
-def _kill_ps_soon(client, coordinator, after: int, log) -> None:
-    """SIGKILL the process of worker ``ps-0`` once ``after`` more functions have finished (in a thread)."""
-    start = coordinator.summary()["done"]
+def _kill_ps(client, coordinator, after: int, log) -> None:
+    """SIGKILL the process of worker ``ps-0`` once ``after`` more functions have finished.
+
+    Then wait until the coordinator has noticed (the scheduler tells it), so
+    that what follows (``join()``, reading the model) waits for the recovery.
+    """
+    start, seen = coordinator.summary()["done"], len(coordinator.recoveries)
     info = client.run(lambda dask_worker: (dask_worker.name, os.getpid()))
     pid = next(pid for name, pid in info.values() if name == "ps-0")
-
-    def kill() -> None:
-        while coordinator.summary()["done"] < start + after and coordinator.summary()["in_flight"]:
-            time.sleep(0.01)
-        log(f"killing ps-0 (pid {pid}) with {coordinator.summary()['in_flight']} functions pending")
-        os.kill(pid, signal.SIGKILL)
-
-    threading.Thread(target=kill, daemon=True).start()
+    while coordinator.summary()["done"] < start + after and coordinator.summary()["in_flight"]:
+        time.sleep(0.005)
+    log(f"killing ps-0 (pid {pid}) with {coordinator.summary()['in_flight']} functions pending")
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while not coordinator._recovering and len(coordinator.recoveries) == seen and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _build(config: DemoConfig, client):
@@ -205,10 +207,10 @@ def _train(config: DemoConfig, cluster, log) -> dict:
         train_loss.reset_state()
         for _ in range(calls):
             coordinator.schedule(train_steps, args=(iterator,))
-        if epoch == config.kill_ps_at_epoch:
-            _kill_ps_soon(client, coordinator, calls // 3, log)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", dps.errors.RollbackWarning)
+            if epoch == config.kill_ps_at_epoch:
+                _kill_ps(client, coordinator, calls // 3, log)
             coordinator.join()
         for warning in caught:
             log(str(warning.message)) if issubclass(warning.category, dps.errors.RollbackWarning) else \

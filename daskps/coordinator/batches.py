@@ -47,23 +47,23 @@ REPORT_EVERY = 0.02
 INLINE_BYTES = 64 << 10
 
 
-def run_batch(strategy_blob: bytes, topic: str, batch_key: str, batch: bytes,
-              moves: dict[str, protocol.ServerRef] | None = None) -> dict[int, Any]:
+def run_batch(strategy_blob: bytes, topic: str, batch_key: str, batch: bytes) -> dict[int, Any]:
     """Run the pickled ``[(function id, (pickled fn, pickled (args, kwargs))), ...]`` in order; return big results.
 
     Pushes are pipelined (:mod:`daskps.ps.pipeline`): a function is reported
-    once its pushes have been applied, in schedule order. ``moves`` names the
-    parameter servers re-created after a loss (old actor key -> new server):
+    once its pushes have been applied, in schedule order. The scheduler's
+    plugin also says which parameter servers were re-created after a loss:
     handles here follow them.
     """
     worker = get_worker()
-    if moves:
-        refs.follow(moves)
+    answer = sync(worker.loop, getattr(worker.scheduler, REPORTED_HANDLER), key=batch_key)
+    if answer["moves"]:
+        refs.follow({old: protocol.ServerRef(*new) for old, new in answer["moves"].items()})
     strategy = pickle.loads(strategy_blob)
     if protocol.MOVED:  # a view of the strategy made before a server moved
         strategy._ps = [protocol.current(s) for s in strategy._ps]
     closures = pickle.loads(batch)
-    reported = set(sync(worker.loop, getattr(worker.scheduler, REPORTED_HANDLER), key=batch_key))
+    reported = set(answer["reported"])
     big: dict[int, Any] = {}
     with pipeline.pipelined() as pipe:
         reporter = _Reporter(worker, topic, batch_key, pipe)

@@ -300,7 +300,6 @@ class ClusterCoordinator:
             self._pump_queued = False
             if self._recovering or self._halted:
                 return  # resumed when the lost server is back; after a failed recovery, join() raises
-            moves = dict(protocol.MOVED)
             batches: list[list[_Closure]] = []
             while self._queue:
                 batch = self._next_batch(trainers, len(self._batches) + len(batches))
@@ -312,7 +311,7 @@ class ClusterCoordinator:
                 # One bytes object: Dask walks every nested list and tuple of a task's arguments.
                 payload = pickle.dumps([(c.id, c.blob) for c in closures], protocol=5)
                 future = self._client.submit(
-                    run_batch, self._strategy_blob, self._topic, key, payload, moves,
+                    run_batch, self._strategy_blob, self._topic, key, payload,
                     key=key, resources={"worker": 1}, pure=False,
                 )
                 self._batches[key] = (future, closures)
@@ -457,7 +456,7 @@ class ClusterCoordinator:
         """In a thread: re-create the lost servers, restore them, then let dispatch go on."""
         report, error = None, None
         try:
-            report = recovery.recover(self._strategy, self._manager, self.stats["done"])
+            report = recovery.recover(self._strategy, self._manager, lambda: self.stats["done"])
             if report is not None:
                 self._strategy_blob = dumps_or_explain(self._strategy, "strategy")  # new server addresses
         except BaseException as exc:  # no worker came, or the checkpoint does not restore: raised by join()

@@ -141,7 +141,7 @@ class PerWorkerDataset:
         protocol.put_blob(server, key, blob, strategy._group)
         held = refs.owned(server, key, f"<dataset {dataset_id}>", strategy._group)
         held.recipe = ("blob", blob)
-        self._spec = _DatasetSpec(dataset_id, held, tuple(strategy._worker_names))
+        self._spec = _DatasetSpec(dataset_id, held, _trainers_now(strategy))
         self._fn = dataset_fn  # whatever it captured stays alive as long as the dataset
         self._iterators = 0
         self._lock = threading.Lock()
@@ -165,6 +165,18 @@ class PerWorkerDataset:
 
     def __repr__(self) -> str:
         return f"PerWorkerDataset(id={self._spec.dataset_id[:8]}, iterators={self._iterators})"
+
+
+def _trainers_now(strategy: Any) -> tuple[str, ...]:
+    """The strategy's trainers, then those that joined since (``cluster.scale``), in name order.
+
+    A trainer keeps its index; ``num_input_pipelines`` counts those here now.
+    """
+    names = list(strategy._worker_names)
+    resolver = strategy.cluster_resolver
+    if resolver is not None:
+        names += [n for n, _ in resolver.training_workers() if n not in names]
+    return tuple(names)
 
 
 def _forget_later(client: Any, dataset_id: str, server_key: str) -> None:
@@ -288,7 +300,9 @@ class _WorkerState:
         if name in worker_names:
             return worker_names.index(name)
         info = sync(self.worker.loop, self.worker.scheduler.identity)
-        live = sorted(str(w.get("name", a)) for a, w in info["workers"].items())
+        kinds = set(self.worker.state.total_resources)  # trainers: workers with this one's resources
+        live = sorted(str(w.get("name", a)) for a, w in info["workers"].items()
+                      if kinds & set(w.get("resources", {})))
         newcomers = [n for n in live if n not in worker_names]
         free = [i for i, n in enumerate(worker_names) if n not in live]
         rank = newcomers.index(name) if name in newcomers else 0

@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import dask.config
@@ -38,7 +39,7 @@ from distributed import wait
 from daskps.distribute.cluster import cluster_workers
 from daskps.errors import PSUnavailableError
 from daskps.ps import protocol, refs
-from daskps.ps.plugin import move_cleanups
+from daskps.ps.plugin import move_cleanups, record_moves
 from daskps.ps.protocol import ServerRef
 
 
@@ -90,10 +91,12 @@ def lost_servers(group: Any) -> list[ServerRef]:
     return gone + [s for s, a in zip(rest, answers) if isinstance(a, PSUnavailableError)]
 
 
-def recover(strategy: Any, manager: Any, done: int) -> Recovered | None:
+def recover(strategy: Any, manager: Any, done: Callable[[], int]) -> Recovered | None:
     """Re-create and restore the lost servers of ``strategy`` (``None`` if none was lost).
 
-    ``done`` is how many functions the coordinator has finished. Raises
+    ``done()`` says how many functions the coordinator has finished; it is
+    asked at the end, when the reports of functions that finished before
+    the loss have all come in. Raises
     :class:`~daskps.errors.PSUnavailableError` if no ps worker takes a lost
     server's place in time (config ``daskps.recovery-timeout``), or the
     checkpoint cannot be restored.
@@ -112,28 +115,36 @@ def recover(strategy: Any, manager: Any, done: int) -> Recovered | None:
         pairs.append(group.replace(old.task_id, host, max(30.0, deadline - time.monotonic()),
                                    functools.partial(_move_cleanups, group.client)))
     made = [_remake(group, old, new) for old, new in pairs]
-    protocol.move({old.actor_key: new for old, new in pairs})
-    _tell_workers(group.client, dict(protocol.MOVED))
-    variables = {r.key: r.name for keys in made for r in keys}
-    latest = manager.latest_checkpoint
-    rolled_back: list[str] = []
-    if latest is not None:
-        try:
-            manifest = manager._checkpoint._restore(latest, servers={new for _, new in pairs})
-        except Exception as exc:
-            raise PSUnavailableError(
-                f"parameter server(s) {', '.join(f'ps:{o.task_id}' for o, _ in pairs)} were lost and re-created, "
-                f"but restoring them from {latest} failed ({type(exc).__name__}: {exc}); their variables "
-                "hold their initial values"
-            ) from exc
-        restored = manifest["restored"]
-        rolled_back = sorted(restored)
-        for keys in restored.values():
-            for key in keys:
-                variables.pop(key, None)
+    news = [new for _, new in pairs]
+    protocol.hold(news)  # calls from other threads here wait until the new servers are restored
+    try:
+        protocol.move({old.actor_key: new for old, new in pairs})
+        variables = {r.key: r.name for keys in made for r in keys}
+        latest = manager.latest_checkpoint
+        rolled_back: list[str] = []
+        if latest is not None:
+            try:
+                with protocol.past_holds():
+                    manifest = manager._checkpoint._restore(latest, servers=set(news))
+            except Exception as exc:
+                raise PSUnavailableError(
+                    f"parameter server(s) {', '.join(f'ps:{o.task_id}' for o, _ in pairs)} were lost and "
+                    f"re-created, but restoring them from {latest} failed ({type(exc).__name__}: {exc}); "
+                    "their variables hold their initial values"
+                ) from exc
+            restored = manifest["restored"]
+            rolled_back = sorted(restored)
+            for keys in restored.values():
+                for key in keys:
+                    variables.pop(key, None)
+        # Only now do trainers learn the new routes: batches as they start, and every worker at once.
+        group.client.run_on_scheduler(record_moves, {old.actor_key: tuple(new) for old, new in pairs})
+        _tell_workers(group.client, dict(protocol.MOVED))
+    finally:
+        protocol.release_holds(news)
     since = manager._done_at.get(latest) if latest is not None else None
     return Recovered(pairs, latest, rolled_back, sorted(set(variables.values())),
-                     None if since is None else max(0, done - since), time.monotonic() - started)
+                     None if since is None else max(0, done() - since), time.monotonic() - started)
 
 
 def _host(strategy: Any, group: Any, old: ServerRef, deadline: float) -> tuple[str, str]:

@@ -47,6 +47,7 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
         self.cleanups: dict[str, dict[str, tuple[bytes, bytes]]] = {}  # server key -> id -> (function, args)
         self.reported: dict[str, set[int]] = {}  # batch key -> functions whose result went out
         self.replaced: dict[str, str] = {}  # actor key of a lost server -> the server that took its place
+        self.moves: dict[str, tuple] = {}  # actor key of a lost server -> the new server (a ServerRef's fields)
         self.hosts: dict[str, str] = {}  # actor key -> worker address, until the key is forgotten
 
     async def start(self, scheduler: Any) -> None:
@@ -92,9 +93,15 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
             if where is not None:
                 (self.failed if status == "error" else self.completed)[where] += 1
 
-    def batch_reported(self, key: str) -> list[int]:
-        """The functions of batch ``key`` that have reported (asked by a batch that runs again)."""
-        return sorted(self.reported.get(key, ()))
+    def batch_reported(self, key: str) -> dict[str, Any]:
+        """Asked by every batch as it starts: ``{"reported": ids, "moves": {old key: new server}}``.
+
+        ``reported`` are the functions of batch ``key`` whose results went out
+        (a batch that runs again skips them); ``moves`` the servers re-created
+        after losses, so a batch submitted before a recovery, or moved to a
+        new trainer, reaches the new servers.
+        """
+        return {"reported": sorted(self.reported.get(key, ())), "moves": dict(self.moves)}
 
     def count_workers_with(self, resource: str) -> int:
         """How many live workers hold ``resource`` (the coordinator sizes its batches by it)."""
@@ -121,6 +128,12 @@ async def _run_on_workers(scheduler: Any, calls: list[tuple[bytes, bytes]]) -> N
         msg = {"op": "run", "function": function, "args": args, "kwargs": dumps({}), "wait": True}
         with contextlib.suppress(Exception):  # a worker that is gone has nothing to clean
             await scheduler.broadcast(msg=msg, on_error="return")
+
+
+def record_moves(moves: dict[str, tuple], dask_scheduler: Any = None) -> None:
+    """Lost servers were re-created and restored (``{old key: new server's fields}``): batches starting
+    from now on follow them (see ``batch_reported``)."""
+    dask_scheduler.plugins[PLUGIN_NAME].moves.update(moves)
 
 
 def add_cleanup(server_key: str, cleanup_id: str, function: bytes, args: bytes, dask_scheduler: Any = None) -> None:

@@ -18,11 +18,13 @@ a direct call, so local and remote variables share one code path.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import queue
+import threading
 import uuid
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import dask.config
@@ -132,6 +134,43 @@ GONE: set[str] = set()
 # Old actor key -> the server that replaced it (see daskps.coordinator.recovery). Handles that
 # still name an old server (inside pickled functions, on trainers) find the new one through it.
 MOVED: dict[str, ServerRef] = {}
+
+
+# Servers just re-created and not yet restored: other threads' calls to them wait (see hold()).
+_HOLDS: dict[str, threading.Event] = {}
+_PAST_HOLDS = threading.local()
+
+
+def hold(servers: Sequence[ServerRef]) -> None:
+    """Make calls to ``servers`` from other threads wait until :func:`release_holds` (a restore runs)."""
+    for server in servers:
+        _HOLDS[server.actor_key] = threading.Event()
+
+
+def release_holds(servers: Sequence[ServerRef]) -> None:
+    for server in servers:
+        event = _HOLDS.pop(server.actor_key, None)
+        if event is not None:
+            event.set()
+
+
+@contextlib.contextmanager
+def past_holds() -> Iterator[None]:
+    """The recovery's own calls go to the servers it holds."""
+    _PAST_HOLDS.active = True
+    try:
+        yield
+    finally:
+        _PAST_HOLDS.active = False
+
+
+def _wait_for_holds(servers: Iterable[ServerRef]) -> None:
+    if getattr(_PAST_HOLDS, "active", False):
+        return
+    for server in servers:
+        event = _HOLDS.get(server.actor_key)
+        if event is not None:
+            event.wait(parse_timedelta(dask.config.get("daskps.recovery-timeout", "60s")))
 
 
 def current(server: ServerRef) -> ServerRef:
@@ -356,6 +395,8 @@ def _run(calls: Sequence[tuple[ServerRef, str, tuple]], owner: Any = None, flush
     """
     if MOVED:
         calls = [(current(s), op, args) for s, op, args in calls]
+    if _HOLDS:
+        _wait_for_holds({s for s, _, _ in calls})
     pipe = pipeline.current()
     held = {}
     if pipe is not None and pipe.pending:
