@@ -504,6 +504,7 @@ def test_scale_up_and_retire_a_trainer_during_a_recovery(fresh_cluster, tmp_path
 
 
 @TIMEOUT
+@pytest.mark.filterwarnings("ignore::daskps.errors.RollbackWarning")  # expected; other tests check its text
 def test_remote_values_from_before_the_loss_fetch_after_it(fresh_cluster, tmp_path):
     cluster, client = fresh_cluster
     t = Tracked(client, tmp_path, 300)
