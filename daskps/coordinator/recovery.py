@@ -72,8 +72,7 @@ class Recovered:
 
 
 def _names(names: list[str]) -> str:
-    shown = ", ".join(repr(n) for n in names[:12])
-    return (shown + f" and {len(names) - 12} more") if len(names) > 12 else (shown or "nothing")
+    return protocol.quoted(names, 12) or "nothing"
 
 
 def lost_servers(group: Any) -> list[ServerRef]:
@@ -87,7 +86,7 @@ def lost_servers(group: Any) -> list[ServerRef]:
     servers = list(group.servers)
     gone = [s for s in servers if s.address not in live]
     rest = [s for s in servers if s.address in live]
-    answers = protocol.stats(rest, group, timeout=parse_timedelta(dask.config.get("daskps.connect-timeout", "5s")))
+    answers = protocol.stats(rest, group, timeout=protocol.connect_timeout())
     return gone + [s for s, a in zip(rest, answers) if isinstance(a, PSUnavailableError)]
 
 
@@ -106,8 +105,7 @@ def recover(strategy: Any, manager: Any, done: Callable[[], int]) -> Recovered |
     lost = lost_servers(group)
     if not lost:
         return None
-    timeout = parse_timedelta(dask.config.get("daskps.recovery-timeout", "60s"))
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + protocol.recovery_timeout()
     pairs = []
     for old in lost:
         assert old.task_id is not None

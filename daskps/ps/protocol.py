@@ -58,6 +58,11 @@ def connect_timeout() -> float:
     return parse_timedelta(dask.config.get("daskps.connect-timeout", "5s"))
 
 
+def recovery_timeout() -> float:
+    """Seconds a lost server's recovery may take (config ``daskps.recovery-timeout``)."""
+    return parse_timedelta(dask.config.get("daskps.recovery-timeout", "60s"))
+
+
 class ServerRef(NamedTuple):
     """Where one parameter server lives: worker address, actor key, task index, channel.
 
@@ -108,10 +113,15 @@ def _unavailable(server: ServerRef, what: str, exc: BaseException | None = None,
     return error
 
 
+def quoted(names: Sequence[str], most: int = 8) -> str:
+    """``'a', 'b' and 3 more``."""
+    shown = ", ".join(repr(n) for n in names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
 def _unavailable_text(what: str, server: ServerRef) -> str:
     names = held_names(server)
-    shown = ", ".join(repr(n) for n in names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-    held = f" It held {shown}: their values are lost." if names else ""
+    held = f" It held {quoted(names)}: their values are lost." if names else ""
     return (f"{what}{held} Give the ClusterCoordinator a checkpoint manager "
             "(dps.ClusterCoordinator(strategy, checkpoint_manager=manager)) to have lost servers re-created "
             "and restored during training; otherwise restore them from a checkpoint "
@@ -170,7 +180,7 @@ def _wait_for_holds(servers: Iterable[ServerRef]) -> None:
     for server in servers:
         event = _HOLDS.get(server.actor_key)
         if event is not None:
-            event.wait(parse_timedelta(dask.config.get("daskps.recovery-timeout", "60s")))
+            event.wait(recovery_timeout())
 
 
 def current(server: ServerRef) -> ServerRef:
