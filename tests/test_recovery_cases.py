@@ -46,6 +46,11 @@ def test_same_ps_killed_twice(fresh_cluster, tmp_path):
     coordinator.join()
     assert float(a.numpy()) == before_a + 10 and float(b.numpy()) == before_b + 10
     assert [s["num_variables"] for s in strategy.ps_stats()] == [1, 1]
+    strategy.close()  # the re-created servers go with the strategy, as the first ones would
+    deadline = time.monotonic() + 20
+    while (client.run_on_scheduler(_server_tasks) or any(client.run(_actors).values())) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert client.run_on_scheduler(_server_tasks) == [] and not any(client.run(_actors).values())
 
 
 @pytest.mark.timeout(180)
