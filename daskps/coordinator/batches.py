@@ -3,7 +3,8 @@
 The coordinator packs several scheduled functions into one Dask task (see
 :mod:`daskps.coordinator.coordinator`). On the trainer, :func:`run_batch`
 runs them in schedule order and, as they finish, logs events
-``[batch_key, [[function_id, status, payload, seconds], ...]]`` to the coordinator's topic:
+``[batch_key, [[function_id, status, payload, seconds, moves], ...]]`` to the coordinator's topic
+(``moves``: the re-created servers the trainer knew of as the function started):
 the result (pickled, when small) or the error reaches the coordinator at
 once, through the scheduler. The scheduler plugin notes which functions of a
 batch have reported; if the trainer dies and Dask runs the batch again
@@ -37,6 +38,7 @@ from daskps._core.nest import map_structure
 from daskps.coordinator.datasets import PerWorkerValues, local_worker_index
 from daskps.distribute.context import scheduled_function
 from daskps.ps import pipeline, protocol, refs
+from daskps.ps.group import moves_known
 from daskps.ps.plugin import REPORTED_HANDLER
 
 OK, BIG, ERROR = "ok", "big", "error"
@@ -73,13 +75,14 @@ def run_batch(strategy_blob: bytes, topic: str, batch_key: str, batch: bytes) ->
             if _cancelled(worker, batch_key):
                 break
             pipe.function = cid
+            moves = moves_known(strategy._token)
             started = time.perf_counter()
             status, payload, value = _run_one(strategy, blob)
             took = time.perf_counter() - started
             pipe.function = None
             if status == BIG:
                 big[cid] = value
-            reporter.finished(cid, status, payload, took)
+            reporter.finished(cid, status, payload, took, moves)
             if status == ERROR or pipe.errors:
                 break
             following = closures[i + 1][1][0] if i + 1 < len(closures) else None
@@ -116,8 +119,8 @@ class _Reporter:
         self.lock = threading.Lock()
         self.timer = False
 
-    def finished(self, cid: int, status: str, payload: bytes | None, took: float) -> None:
-        self.waiting.append([cid, status, payload, took, time.monotonic()])
+    def finished(self, cid: int, status: str, payload: bytes | None, took: float, moves: int) -> None:
+        self.waiting.append([cid, status, payload, took, moves, time.monotonic()])
         self.send(final=status == ERROR)
 
     def overdue(self) -> bool:
@@ -127,15 +130,15 @@ class _Reporter:
         after it do not talk to that server, the batch sends them itself, so
         a report waits at most about one function.
         """
-        return bool(self.waiting) and time.monotonic() - self.waiting[0][4] > REPORT_EVERY
+        return bool(self.waiting) and time.monotonic() - self.waiting[0][5] > REPORT_EVERY
 
     def send(self, final: bool = False) -> None:
         while self.waiting and self.pipe.settled(self.waiting[0][0]):
-            cid, status, payload, took, _ = self.waiting.popleft()
+            cid, status, payload, took, moves, _ = self.waiting.popleft()
             if cid in self.pipe.errors:
                 status, payload = ERROR, _pickled_error(self.pipe.errors[cid])
             with self.lock:
-                self.outbox.append([cid, status, payload, took])
+                self.outbox.append([cid, status, payload, took, moves])
             final = final or status == ERROR
         if final:
             self._flush()

@@ -77,12 +77,13 @@ MAX_RERUNS = 3
 class _Closure:
     """One scheduled function: its pickle, what it keeps alive, its RemoteValue."""
 
-    __slots__ = ("id", "blob", "kept", "remote", "reruns", "batch")
+    __slots__ = ("id", "blob", "kept", "remote", "reruns", "batch", "moves")
 
     def __init__(self, cid: int, blob: tuple[bytes, bytes], kept: list[Any], remote: RemoteValue):
         self.id, self.blob, self.kept, self.remote = cid, blob, kept, remote
         self.reruns = 0
         self.batch: str | None = None  # the key of the batch it is in; None while queued
+        self.moves = 0  # re-created servers its trainer knew of as it started (see moves_known)
 
 
 def _refuse_remote_values(structure: Any, arg: str) -> None:
@@ -215,6 +216,7 @@ class ClusterCoordinator:
         client.subscribe_topic(self._topic, functools.partial(_deliver, weakref.ref(self)))
         weakref.finalize(self, _unsubscribe, client, self._topic)
         self.stats = {"scheduled": 0, "done": 0, "failed": 0, "cancelled": 0}
+        self._done_by_moves: collections.Counter[int] = collections.Counter()  # see _done_before
         self.last_error: BaseException | None = None
         self._created = time.monotonic()
         self._joined_at = 0  # functions scheduled before the last join() that found nothing pending
@@ -339,10 +341,13 @@ class ClusterCoordinator:
             took = sum(f[3] for f in finished) / len(finished)  # a few events to follow a change
             per = self._seconds_per_function
             self._seconds_per_function = took if per is None else per + 0.5 * (took - per)
-            for cid, status, payload, _ in finished:
+            for cid, status, payload, _, moves in finished:
                 closure = self._pending.get(cid)
-                if closure is None or closure.remote._state != PENDING or status == BIG or closure.batch != batch_key:
-                    continue  # cancelled or queued again meanwhile, or its (big) result comes with the batch
+                if closure is None or closure.remote._state != PENDING or closure.batch != batch_key:
+                    continue  # cancelled or queued again meanwhile
+                closure.moves = moves
+                if status == BIG:
+                    continue  # its result comes with the batch
                 if status == ERROR:
                     try:
                         error = load_error(payload)
@@ -360,7 +365,10 @@ class ClusterCoordinator:
 
     def _done(self, closure: _Closure) -> None:
         self._pending.pop(closure.id, None)
-        self.stats["done" if closure.remote._state != "error" else "failed"] += 1
+        ok = closure.remote._state != "error"
+        self.stats["done" if ok else "failed"] += 1
+        if ok:
+            self._done_by_moves[closure.moves] += 1
         if self._fetching or not self._pending or self._error is not None:
             self._cond.notify_all()  # join() needs waking only when all is done, or on an error
 
@@ -431,6 +439,11 @@ class ClusterCoordinator:
         self._requeue(closure)
         return True
 
+    def _done_before(self, moves: int) -> int:
+        """How many functions finished that started knowing of fewer than ``moves`` re-created servers."""
+        with self._cond:
+            return sum(n for m, n in self._done_by_moves.items() if m < moves)
+
     def _on_lost(self, keys: list[str]) -> None:
         """The scheduler saw the worker of servers ``keys`` leave: recover now, even with nothing running."""
         with self._cond:
@@ -456,7 +469,7 @@ class ClusterCoordinator:
         """In a thread: re-create the lost servers, restore them, then let dispatch go on."""
         report, error = None, None
         try:
-            report = recovery.recover(self._strategy, self._manager, lambda: self.stats["done"])
+            report = recovery.recover(self._strategy, self._manager, self._done_before)
             if report is not None:
                 self._strategy_blob = dumps_or_explain(self._strategy, "strategy")  # new server addresses
         except BaseException as exc:  # no worker came, or the checkpoint does not restore: raised by join()

@@ -39,6 +39,7 @@ from distributed import wait
 from daskps.distribute.cluster import cluster_workers
 from daskps.errors import PSUnavailableError
 from daskps.ps import protocol, refs
+from daskps.ps.group import moves_known
 from daskps.ps.plugin import move_cleanups, record_moves
 from daskps.ps.protocol import ServerRef
 
@@ -90,12 +91,14 @@ def lost_servers(group: Any) -> list[ServerRef]:
     return gone + [s for s, a in zip(rest, answers) if isinstance(a, PSUnavailableError)]
 
 
-def recover(strategy: Any, manager: Any, done: Callable[[], int]) -> Recovered | None:
+def recover(strategy: Any, manager: Any, done: Callable[[int], int]) -> Recovered | None:
     """Re-create and restore the lost servers of ``strategy`` (``None`` if none was lost).
 
-    ``done()`` says how many functions the coordinator has finished; it is
-    asked at the end, when the reports of functions that finished before
-    the loss have all come in. Raises
+    ``done(moves)`` says how many functions the coordinator has finished
+    that started on a trainer knowing of fewer than ``moves`` re-created
+    servers (:func:`~daskps.ps.group.moves_known`): those that reached the
+    lost server, not the new one. It is asked at the end, when the reports
+    of functions that finished before the loss have all come in. Raises
     :class:`~daskps.errors.PSUnavailableError` if no ps worker takes a lost
     server's place in time (config ``daskps.recovery-timeout``), or the
     checkpoint cannot be restored.
@@ -117,6 +120,7 @@ def recover(strategy: Any, manager: Any, done: Callable[[], int]) -> Recovered |
     protocol.hold(news)  # calls from other threads here wait until the new servers are restored
     try:
         protocol.move({old.actor_key: new for old, new in pairs})
+        moves = moves_known(group.token)
         variables = {r.key: r.name for keys in made for r in keys}
         latest = manager.latest_checkpoint
         rolled_back: list[str] = []
@@ -142,7 +146,7 @@ def recover(strategy: Any, manager: Any, done: Callable[[], int]) -> Recovered |
         protocol.release_holds(news)
     since = manager._done_at.get(latest) if latest is not None else None
     return Recovered(pairs, latest, rolled_back, sorted(set(variables.values())),
-                     None if since is None else max(0, done() - since), time.monotonic() - started)
+                     None if since is None else max(0, done(moves) - since), time.monotonic() - started)
 
 
 def _host(strategy: Any, group: Any, old: ServerRef, deadline: float) -> tuple[str, str]:

@@ -38,6 +38,18 @@ def parse_server_key(key: Any) -> tuple[int, str] | None:
     return (int(m.group(1)), m.group(2)) if m else None
 
 
+def moves_known(token: str) -> int:
+    """How many re-creations of group ``token``'s servers this process has heard of.
+
+    Every process hears of them in the same order, so the count says which
+    servers a function reached: one run while it was lower than the
+    coordinator's count after a recovery wrote to the lost server.
+    """
+    if not protocol.MOVED:
+        return 0
+    return sum(1 for key in protocol.MOVED if (parse_server_key(key) or (0, ""))[1] == token)
+
+
 def group_of(server: ServerRef) -> ServerGroup | None:
     """The live group of ``server`` in this process, if any."""
     if not _GROUPS:  # a worker's process: no groups
