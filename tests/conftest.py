@@ -74,6 +74,18 @@ def wait_done(coordinator, n: int, timeout: float = 60) -> None:
         time.sleep(0.01)
 
 
+def wait_for_recovery(coordinator, count: int = 1, timeout: float = 60) -> None:
+    """Wait until ``coordinator`` is recovering from a loss, or has recovered from ``count`` of them.
+
+    After a SIGKILL, before ``join()``: the functions still pending may all
+    finish before the loss is noticed, and ``join()`` would then return at once.
+    """
+    deadline = time.monotonic() + timeout
+    while not (coordinator._recovering or len(coordinator.recoveries) >= count):
+        assert time.monotonic() < deadline, "a parameter server was killed, but no recovery began"
+        time.sleep(0.02)
+
+
 def two_ps_training(client: Client, directory, sleep: float = 0.0):
     """Variable ``a`` on ps-0 and ``b`` on ps-1, a checkpoint manager in ``directory``, its coordinator,
     and a step adding 1 to both: ``(strategy, a, b, manager, coordinator, step)``."""
@@ -92,8 +104,8 @@ def two_ps_training(client: Client, directory, sleep: float = 0.0):
     return strategy, a, b, manager, coordinator, step
 
 
-def wait_for_worker(client: Client, name: str, old_address: str, timeout: float = 60) -> str:
-    """Wait until the Nanny has brought ``name`` back at a new address."""
+def wait_for_worker(client: Client, name: str, old_address: str | None, timeout: float = 60) -> str:
+    """Wait until the Nanny has brought ``name`` back at a new address (or a new worker ``name`` came)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:

@@ -137,11 +137,18 @@ def test_first_error_is_raised_once_and_pending_functions_cancelled(coordinator)
     assert coordinator.schedule(lambda: 7).fetch() == 7
 
 
-def test_first_error_wins(coordinator):
+def _fail_when_set(event_name, tag):
+    Event(event_name).wait(60)
+    raise Boom(tag)
+
+
+def test_first_error_wins(coordinator, client):
+    gate = Event("daskps-late-failure", client=client)
     coordinator.schedule(_fail_after, args=(0.0, "early"))
-    coordinator.schedule(_fail_after, args=(0.5, "late"))
+    coordinator.schedule(_fail_when_set, args=("daskps-late-failure", "late"))
     with pytest.raises(Boom, match="early"):
         coordinator.join()
+    gate.set()  # the second failure comes after the first was raised: it is not raised again
     coordinator.join()
 
 
@@ -255,7 +262,7 @@ def test_ps_unavailable_says_what_happened_and_what_was_lost(fresh_cluster):
 
 def _counted_step(runs, i):
     time.sleep(0.01)
-    runs.assign_add(1)
+    runs.scatter_add(dps.IndexedSlices(np.ones(1, np.int64), np.array([i])))
     return i
 
 
@@ -264,17 +271,25 @@ def test_three_trainer_kills_lose_no_value_and_rerun_little(fresh_cluster):
     cluster, client = fresh_cluster
     strategy = dps.ParameterServerStrategy(client)
     coordinator = dps.ClusterCoordinator(strategy)
+    n = 1500
     with strategy.scope():
-        runs = dps.Variable(0, dtype=np.int64, name="runs")
-    remotes = [coordinator.schedule(_counted_step, args=(runs, i)) for i in range(1500)]
+        runs = dps.Variable(np.zeros(n, np.int64), name="runs")  # runs[i]: how many times function i ran
+    remotes = [coordinator.schedule(_counted_step, args=(runs, i)) for i in range(n)]
+    snapshots = []  # before each kill: the functions reported so far, and how many times each had run
     for k in range(3):
         while coordinator.summary()["done"] < 300 * (k + 1):
             time.sleep(0.05)
+        reported = [i for i, r in enumerate(remotes) if r._state == "finished"]
+        snapshots.append((reported, runs.numpy()[reported]))  # a reported function's update is applied
         name = f"worker-{k % 2}"
         wait_for_worker(client, name, kill_worker(client, name))
     coordinator.join()
-    assert [r.fetch() for r in remotes] == list(range(1500))
-    extra = int(runs.numpy()) - 1500
+    assert [r.fetch() for r in remotes] == list(range(n))
+    got = runs.numpy()
+    for reported, then in snapshots:
+        again = [i for i, t in zip(reported, then) if got[i] != t]
+        assert not again, f"functions whose result had reached the coordinator ran again: {again}"
+    extra = int(got.sum()) - n
     assert 0 <= extra < 75, f"{extra} extra runs"
 
 

@@ -154,7 +154,13 @@ def _interrupt(*_):
     raise KeyboardInterrupt
 
 
-def test_an_interrupted_read_leaves_the_channel_in_step(strategy, client):
+def _busy(path, seconds):
+    """On a worker's event loop (``client.run``): say so, then block it."""
+    open(path, "w").close()
+    time.sleep(seconds)
+
+
+def test_an_interrupted_read_leaves_the_channel_in_step(strategy, client, tmp_path):
     with strategy.scope():
         vs = [dps.Variable(np.full(3, float(i)), name=f"chan_{i}") for i in range(4)]
     server = vs[0]._ref.server
@@ -164,9 +170,11 @@ def test_an_interrupted_read_leaves_the_channel_in_step(strategy, client):
     expect_b = b.numpy().tolist()
 
     # Keep the server's event loop busy for 2 s (as a long operation would).
-    busy = threading.Thread(target=client.run, args=(time.sleep, 2.0), kwargs={"workers": [server.address]})
+    flag = tmp_path / "busy"
+    busy = threading.Thread(target=client.run, args=(_busy, str(flag), 2.0), kwargs={"workers": [server.address]})
     busy.start()
-    time.sleep(0.3)
+    while not flag.exists():
+        time.sleep(0.01)
     old = signal.signal(signal.SIGUSR1, _interrupt)
     timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGUSR1))
     try:

@@ -148,8 +148,12 @@ def test_worker_that_joins_later_builds_its_own(fresh_cluster, tmp_path):
             time.sleep(0.1)  # long enough that all three workers get work
             return get_worker().name, next(iterator)
 
-        seen = coordinator.fetch([coordinator.schedule(on_late, args=(it,)) for _ in range(30)])
-        late_ids = {value for name, value in seen if name == "late-worker"}
+        late_ids: set = set()
+        for _ in range(10):  # Dask places the batches: rounds until the newcomer got one
+            seen = coordinator.fetch([coordinator.schedule(on_late, args=(it,)) for _ in range(30)])
+            late_ids |= {value for name, value in seen if name == "late-worker"}
+            if late_ids:
+                break
         assert late_ids == {2}  # built its own, with the next free index
     finally:
         proc.terminate()

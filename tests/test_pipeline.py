@@ -57,13 +57,15 @@ def test_a_reported_function_s_updates_are_applied(strategy, coordinator):
 def test_reports_wait_at_most_one_function_for_their_pushes(strategy, coordinator):
     with strategy.scope():
         v = dps.Variable(0.0)
-    first = coordinator.schedule(v.assign_add, args=(1.0,))
-    for _ in range(40):
-        coordinator.schedule(_sleep)
+    # Holding the (reentrant) lock keeps the pump off until all are queued: with 2 trainers and no
+    # durations known yet, the batches are [first, sleeps 0-19] and [sleeps 20-39].
+    with coordinator._cond:
+        first = coordinator.schedule(v.assign_add, args=(1.0,))
+        sleeps = [coordinator.schedule(_sleep) for _ in range(40)]
     start = time.monotonic()
     first.fetch()
     waited = time.monotonic() - start
-    done_then = coordinator.summary()["done"]
+    done_then = sum(r._state == "finished" for r in sleeps[:20])
     coordinator.join()
     # Reported long before the 20 sleeps of its batch ended (counted, not timed).
     assert done_then < 20, (done_then, waited)

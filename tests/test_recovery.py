@@ -11,7 +11,7 @@ import pytest
 import daskps as dps
 from daskps.errors import PSUnavailableError, RollbackWarning
 
-from .conftest import kill_worker, two_ps_training, wait_done, worker_address
+from .conftest import kill_worker, two_ps_training, wait_done, wait_for_recovery, worker_address
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -51,6 +51,7 @@ def test_killed_ps_is_recreated_and_restored_while_400_functions_are_pending(fre
     wait_done(coordinator, 70)
     kill_worker(client, "ps-0")
     with pytest.warns(RollbackWarning) as caught:
+        wait_for_recovery(coordinator)
         coordinator.join()
     assert all(r.fetch() is not None for r in remotes)  # every function finished
     text = str(caught[0].message)
@@ -87,7 +88,7 @@ def test_without_a_manager_a_lost_ps_raises_promptly_and_says_what_to_do(fresh_c
         time.sleep(0.005)
         a.assign_add(1.0)
 
-    for _ in range(200):
+    for _ in range(2000):  # far more than run before the kill lands; the failing join() cancels the rest
         coordinator.schedule(step)
     wait_done(coordinator, 10)
     kill_worker(client, "ps-0")
@@ -126,6 +127,7 @@ def test_manager_given_later_and_recovery_before_any_checkpoint(fresh_cluster, t
     kill_worker(client, "ps-0")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        wait_for_recovery(coordinator)
         coordinator.join()
     (warning,) = [w for w in caught if issubclass(w.category, RollbackWarning)]
     assert "No checkpoint had been saved yet" in str(warning.message)
@@ -156,6 +158,14 @@ def test_shards_and_slots_of_the_lost_server_come_back_from_the_checkpoint(fresh
     def step():
         opt.apply_gradients([(g, w)])
 
+    started, go = tmp_path / "started", tmp_path / "go"
+
+    def step_after_the_kill():
+        started.touch()
+        while not go.exists():
+            time.sleep(0.01)
+        step()
+
     for _ in range(3):
         coordinator.schedule(step)
         coordinator.join()
@@ -163,8 +173,11 @@ def test_shards_and_slots_of_the_lost_server_come_back_from_the_checkpoint(fresh
     for _ in range(2):
         coordinator.schedule(step)
         coordinator.join()
+    coordinator.schedule(step_after_the_kill)  # running before the kill: it fails, then runs again
+    while not started.exists():
+        time.sleep(0.01)
     kill_worker(client, "ps-0")
-    coordinator.schedule(step)
+    go.touch()
     with pytest.warns(RollbackWarning, match=r"'w'"):
         coordinator.join()
     zero = np.zeros((4, 3), np.float32)

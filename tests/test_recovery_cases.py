@@ -11,12 +11,15 @@ import pytest
 import daskps as dps
 from daskps.errors import RollbackWarning
 
-from .conftest import kill_worker, two_ps_training, wait_done, worker_address
+from .conftest import kill_worker, two_ps_training, wait_done, wait_for_recovery, worker_address
 
 
-def _join_recording(coordinator):
+def _join_recording(coordinator, recoveries=0):
+    """join(), returning the RollbackWarnings; first waits for the ``recoveries``-th loss to be noticed."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        if recoveries:
+            wait_for_recovery(coordinator, recoveries)
         coordinator.join()
     return [w for w in caught if issubclass(w.category, RollbackWarning)]
 
@@ -36,7 +39,7 @@ def test_same_ps_killed_twice(fresh_cluster, tmp_path):
             coordinator.schedule(step)
         wait_done(coordinator, coordinator.summary()["done"] + 10)
         kill_worker(client, "ps-0")
-        caught = _join_recording(coordinator)
+        caught = _join_recording(coordinator, round_ + 1)
         assert len(caught) == 1, (round_, [str(w.message) for w in caught])
         assert len(coordinator.recoveries) == round_ + 1
         manager.save()
@@ -66,7 +69,7 @@ def test_both_ps_killed_at_once(fresh_cluster, tmp_path):
     wait_done(coordinator, 40)
     kill_worker(client, "ps-0")
     kill_worker(client, "ps-1")
-    caught = _join_recording(coordinator)
+    caught = _join_recording(coordinator, 1)
     assert caught and "ps:0" in "".join(str(w.message) for w in caught)
     assert "ps:1" in "".join(str(w.message) for w in caught)
     for r in remotes:
@@ -182,7 +185,7 @@ def test_ps_and_trainer_killed_together(fresh_cluster, tmp_path):
     wait_done(coordinator, 40)
     kill_worker(client, "worker-0")
     kill_worker(client, "ps-0")
-    caught = _join_recording(coordinator)
+    caught = _join_recording(coordinator, 1)
     assert len(caught) == 1, [str(w.message) for w in caught]
     assert [r.fetch() for r in remotes] == list(range(300))
     assert coordinator.summary()["failed"] == 0

@@ -41,8 +41,17 @@ class _Interrupter:
                 pass
 
 
-def _settled(v, pause: float = 0.5) -> float:
-    """The value of ``v`` once it stops changing."""
+def _batches_running(dask_worker=None):
+    return [k for k, ts in dask_worker.state.tasks.items()
+            if str(k).startswith("daskps-batch") and ts.state in ("executing", "long-running", "cancelled")]
+
+
+def _settled(v, client=None, pause: float = 0.5) -> float:
+    """The value of ``v`` once no batch runs on any worker (with ``client``) and it stops changing."""
+    deadline = time.monotonic() + 30
+    while client is not None and any(client.run(_batches_running).values()):
+        assert time.monotonic() < deadline, client.run(_batches_running)
+        time.sleep(0.05)
     before = float(v.numpy())
     while True:
         time.sleep(pause)
@@ -53,7 +62,7 @@ def _settled(v, pause: float = 0.5) -> float:
 
 
 @pytest.mark.parametrize("wait", ["join", "progress"])
-def test_an_interrupt_cancels_every_pending_function(strategy, coordinator, wait):
+def test_an_interrupt_cancels_every_pending_function(strategy, coordinator, client, wait):
     with strategy.scope():
         v = dps.Variable(0.0)
 
@@ -71,7 +80,7 @@ def test_an_interrupt_cancels_every_pending_function(strategy, coordinator, wait
                 dps.progress(coordinator, interval=0.05, file=io.StringIO())
     finally:
         interrupter.close()
-    ran = _settled(v)
+    ran = _settled(v, client)
     time.sleep(1.0)
     assert float(v.numpy()) == ran, "functions kept running after the interrupt"
     assert 0 < ran < 400

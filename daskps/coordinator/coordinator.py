@@ -217,6 +217,7 @@ class ClusterCoordinator:
         weakref.finalize(self, _unsubscribe, client, self._topic)
         self.stats = {"scheduled": 0, "done": 0, "failed": 0, "cancelled": 0}
         self._done_by_moves: collections.Counter[int] = collections.Counter()  # see _done_before
+        self._lost_meanwhile: set[str] = set()  # servers seen leaving during a recovery
         self.last_error: BaseException | None = None
         self._created = time.monotonic()
         self._joined_at = 0  # functions scheduled before the last join() that found nothing pending
@@ -445,11 +446,20 @@ class ClusterCoordinator:
             return sum(n for m, n in self._done_by_moves.items() if m < moves)
 
     def _on_lost(self, keys: list[str]) -> None:
-        """The scheduler saw the worker of servers ``keys`` leave: recover now, even with nothing running."""
+        """The scheduler saw the worker of servers ``keys`` leave: recover now, even with nothing running.
+
+        During a recovery, they are looked at again when it ends (a second
+        ps killed just after the first may not have looked lost yet).
+        """
         with self._cond:
-            if (self._manager is not None and not self._recovering and not self._strategy.closed
-                    and self._client.status == "running" and any(k not in protocol.MOVED for k in keys)):
+            if self._recovering:
+                self._lost_meanwhile.update(keys)
+            elif self._should_recover(keys):
                 self._start_recovery()
+
+    def _should_recover(self, keys: Any) -> bool:
+        return (self._manager is not None and not self._strategy.closed and self._client.status == "running"
+                and any(k not in protocol.MOVED for k in keys))
 
     def _start_recovery(self) -> None:
         """Pause dispatch and recover in a thread (under the lock)."""
@@ -474,19 +484,29 @@ class ClusterCoordinator:
                 self._strategy_blob = dumps_or_explain(self._strategy, "strategy")  # new server addresses
         except BaseException as exc:  # no worker came, or the checkpoint does not restore: raised by join()
             error = exc
+        try:
+            if report is not None:  # before join() can return: a caller catching warnings around it sees it
+                with self._cond:
+                    rerun = self._rerun
+                warnings.warn(report.describe(rerun), RollbackWarning, stacklevel=1)
+        finally:  # even where warnings are errors (they would end this thread, not reach the user)
+            self._finish_recovery(report, error)
+
+    def _finish_recovery(self, report: Any, error: BaseException | None) -> None:
+        """Record the recovery, let join() return (or raise ``error``), and dispatch what waited."""
         with self._cond:
             self._recovering = False
-            rerun = self._rerun
+            lost, self._lost_meanwhile = self._lost_meanwhile, set()
             if report is not None:
                 self.recoveries.append(report)
             if error is not None:  # what is queued waits for join() to raise it (and cancel them)
                 self.last_error = error
                 self._error = self._error or error
                 self._halted = True
+            elif self._should_recover(lost):  # servers seen leaving meanwhile that this one did not replace
+                self._start_recovery()
             self._cond.notify_all()
-        if report is not None:
-            warnings.warn(report.describe(rerun), RollbackWarning, stacklevel=1)
-        if error is None:
+        if error is None and not self._recovering:
             with contextlib.suppress(Exception):  # the client is closing: nothing to dispatch
                 self._loop.add_callback(self._pump)
 
@@ -499,8 +519,9 @@ class ClusterCoordinator:
         self._cancel_all()
         raise error
 
-    def _cancel_all(self) -> None:
-        """Cancel every pending function: queued ones never start; a running batch stops after its current one.
+    def _cancel_all(self) -> int:
+        """Cancel every pending function (return how many): queued ones never start; a running batch stops
+        after its current one.
 
         A function already running may finish; what it refers to is no longer
         kept alive for it, so objects the user has dropped may vanish under it.
@@ -518,6 +539,7 @@ class ClusterCoordinator:
             self._cond.notify_all()
         if futures and self._client.status == "running":
             self._client.cancel(futures)
+        return len(cancelled)
 
     def _wait_for(self, remote: RemoteValue) -> None:
         with self._cond:
@@ -556,10 +578,7 @@ class ClusterCoordinator:
         new work at once. ``join()`` and ``progress()`` call this when
         interrupted (``KeyboardInterrupt``).
         """
-        with self._cond:
-            pending = len(self._pending)
-        self._cancel_all()
-        return pending
+        return self._cancel_all()
 
     def done(self) -> bool:
         """Whether every scheduled function has finished (raises a pending error).
