@@ -233,9 +233,35 @@ def test_warning_counts_every_finished_function_whose_updates_were_lost(fresh_cl
     assert [r.fetch() for r in remotes] == list(range(n))
     sa = t.sa.numpy()
     lost = np.flatnonzero(sa == 0)
-    assert f"({len(lost)} scheduled function(s) finished since it was saved)" in str(w.message), (
-        f"{len(lost)} finished functions' updates were lost; the warning says: {w.message}")
+    said = f"({len(lost)} scheduled function(s) that reached the lost server finished since it was saved)"
+    assert said in str(w.message), f"{len(lost)} finished functions' updates were lost; the warning says: {w.message}"
     assert report.functions_since == len(lost)
+
+
+@TIMEOUT
+def test_a_second_loss_counts_only_what_reached_the_re_created_server(fresh_cluster, tmp_path):
+    """ps-0 lost twice with no save between: each warning counts the functions whose updates that loss took."""
+    cluster, client = fresh_cluster
+    n = 900
+    t = Tracked(client, tmp_path, n)
+    for k in range(100):
+        t.coordinator.schedule(t.step, args=(k,))
+    t.coordinator.join()
+    t.manager.save()
+    counts = []
+    for first, last in ((100, 500), (500, n)):
+        for k in range(first, last):
+            t.coordinator.schedule(t.step, args=(k,))
+        wait_done(t.coordinator, first + 150)
+        kill_worker(client, "ps-0")
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            wait_for_recovery(t.coordinator, len(counts) + 1)
+            t.coordinator.join()
+        counts.append(t.coordinator.recoveries[-1].functions_since)
+        lost = np.flatnonzero(t.sa.numpy()[:last] == 0)
+        assert sum(counts) == len(lost), (counts, len(lost))  # each lost function counted by one loss
+    assert (t.sb.numpy() >= 1).all() and counts[1] >= 1
 
 
 # --------------------------------------------- 2. metrics and optimizers in scheduled functions, across a loss

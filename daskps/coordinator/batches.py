@@ -4,7 +4,7 @@ The coordinator packs several scheduled functions into one Dask task (see
 :mod:`daskps.coordinator.coordinator`). On the trainer, :func:`run_batch`
 runs them in schedule order and, as they finish, logs events
 ``[batch_key, [[function_id, status, payload, seconds, moves], ...]]`` to the coordinator's topic
-(``moves``: the re-created servers the trainer knew of as the function started):
+(``moves``: the generation of re-created servers the trainer knew as the function started):
 the result (pickled, when small) or the error reaches the coordinator at
 once, through the scheduler. The scheduler plugin notes which functions of a
 batch have reported; if the trainer dies and Dask runs the batch again
@@ -38,7 +38,7 @@ from daskps._core.nest import map_structure
 from daskps.coordinator.datasets import PerWorkerValues, local_worker_index
 from daskps.distribute.context import scheduled_function
 from daskps.ps import pipeline, protocol, refs
-from daskps.ps.group import moves_known
+from daskps.ps.group import generation_known
 from daskps.ps.plugin import REPORTED_HANDLER
 
 OK, BIG, ERROR = "ok", "big", "error"
@@ -75,7 +75,7 @@ def run_batch(strategy_blob: bytes, topic: str, batch_key: str, batch: bytes) ->
             if _cancelled(worker, batch_key):
                 break
             pipe.function = cid
-            moves = moves_known(strategy._token)
+            moves = generation_known(strategy._token)
             started = time.perf_counter()
             status, payload, value = _run_one(strategy, blob)
             took = time.perf_counter() - started

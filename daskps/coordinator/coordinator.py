@@ -77,13 +77,13 @@ MAX_RERUNS = 3
 class _Closure:
     """One scheduled function: its pickle, what it keeps alive, its RemoteValue."""
 
-    __slots__ = ("id", "blob", "kept", "remote", "reruns", "batch", "moves")
+    __slots__ = ("id", "blob", "kept", "remote", "reruns", "batch", "generation")
 
     def __init__(self, cid: int, blob: tuple[bytes, bytes], kept: list[Any], remote: RemoteValue):
         self.id, self.blob, self.kept, self.remote = cid, blob, kept, remote
         self.reruns = 0
         self.batch: str | None = None  # the key of the batch it is in; None while queued
-        self.moves = 0  # re-created servers its trainer knew of as it started (see moves_known)
+        self.generation = 0  # of the servers its trainer knew as it started (see generation_known)
 
 
 def _refuse_remote_values(structure: Any, arg: str) -> None:
@@ -216,7 +216,8 @@ class ClusterCoordinator:
         client.subscribe_topic(self._topic, functools.partial(_deliver, weakref.ref(self)))
         weakref.finalize(self, _unsubscribe, client, self._topic)
         self.stats = {"scheduled": 0, "done": 0, "failed": 0, "cancelled": 0}
-        self._done_by_moves: collections.Counter[int] = collections.Counter()  # see _done_before
+        # Functions finished, by the generation of servers their trainer knew (see _finished_by_generation).
+        self._done_by_generation: collections.Counter[int] = collections.Counter()
         self._lost_meanwhile: set[str] = set()  # servers seen leaving during a recovery
         self.last_error: BaseException | None = None
         self._created = time.monotonic()
@@ -342,11 +343,11 @@ class ClusterCoordinator:
             took = sum(f[3] for f in finished) / len(finished)  # a few events to follow a change
             per = self._seconds_per_function
             self._seconds_per_function = took if per is None else per + 0.5 * (took - per)
-            for cid, status, payload, _, moves in finished:
+            for cid, status, payload, _, generation in finished:
                 closure = self._pending.get(cid)
                 if closure is None or closure.remote._state != PENDING or closure.batch != batch_key:
                     continue  # cancelled or queued again meanwhile
-                closure.moves = moves
+                closure.generation = generation
                 if status == BIG:
                     continue  # its result comes with the batch
                 if status == ERROR:
@@ -369,7 +370,7 @@ class ClusterCoordinator:
         ok = closure.remote._state != "error"
         self.stats["done" if ok else "failed"] += 1
         if ok:
-            self._done_by_moves[closure.moves] += 1
+            self._done_by_generation[closure.generation] += 1
         if self._fetching or not self._pending or self._error is not None:
             self._cond.notify_all()  # join() needs waking only when all is done, or on an error
 
@@ -435,15 +436,23 @@ class ClusterCoordinator:
                 or closure.reruns >= MAX_RERUNS):
             return False
         closure.reruns += 1
-        if not self._recovering and getattr(error, "server_key", None) not in protocol.MOVED:
+        key = getattr(error, "server_key", None)
+        if self._recovering:
+            if key is not None:
+                self._lost_meanwhile.add(key)  # looked at when this recovery ends
+        elif key not in protocol.MOVED:
             self._start_recovery()
         self._requeue(closure)
         return True
 
-    def _done_before(self, moves: int) -> int:
-        """How many functions finished that started knowing of fewer than ``moves`` re-created servers."""
+    def _finished_by_generation(self) -> collections.Counter[int]:
+        """How many functions finished, by the generation of re-created servers their trainer knew.
+
+        A checkpoint manager keeps a copy at each save; a recovery tells from
+        them how many finished since then on the lost server.
+        """
         with self._cond:
-            return sum(n for m, n in self._done_by_moves.items() if m < moves)
+            return collections.Counter(self._done_by_generation)
 
     def _on_lost(self, keys: list[str]) -> None:
         """The scheduler saw the worker of servers ``keys`` leave: recover now, even with nothing running.
@@ -462,10 +471,10 @@ class ClusterCoordinator:
                 and any(k not in protocol.MOVED for k in keys))
 
     def _start_recovery(self) -> None:
-        """Pause dispatch and recover in a thread (under the lock)."""
+        """Pause dispatch and recover in a thread (under the lock, which the thread needs to finish)."""
+        threading.Thread(target=self._recover, name="daskps-recover", daemon=True).start()
         self._recovering = True
         self._rerun = 0
-        threading.Thread(target=self._recover, name="daskps-recover", daemon=True).start()
 
     def _requeue(self, closure: _Closure) -> None:
         """Queue ``closure`` again, before the functions scheduled after it (under the lock)."""
@@ -479,7 +488,7 @@ class ClusterCoordinator:
         """In a thread: re-create the lost servers, restore them, then let dispatch go on."""
         report, error = None, None
         try:
-            report = recovery.recover(self._strategy, self._manager, self._done_before)
+            report = recovery.recover(self._strategy, self._manager, self._finished_by_generation)
             if report is not None:
                 self._strategy_blob = dumps_or_explain(self._strategy, "strategy")  # new server addresses
         except BaseException as exc:  # no worker came, or the checkpoint does not restore: raised by join()
@@ -505,8 +514,9 @@ class ClusterCoordinator:
                 self._halted = True
             elif self._should_recover(lost):  # servers seen leaving meanwhile that this one did not replace
                 self._start_recovery()
+            pump = error is None and not self._recovering
             self._cond.notify_all()
-        if error is None and not self._recovering:
+        if pump:
             with contextlib.suppress(Exception):  # the client is closing: nothing to dispatch
                 self._loop.add_callback(self._pump)
 

@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -39,7 +40,7 @@ from distributed import wait
 from daskps.distribute.cluster import cluster_workers
 from daskps.errors import PSUnavailableError
 from daskps.ps import protocol, refs
-from daskps.ps.group import moves_known
+from daskps.ps.group import key_generation
 from daskps.ps.plugin import move_cleanups, record_moves
 from daskps.ps.protocol import ServerRef
 
@@ -52,7 +53,7 @@ class Recovered:
     checkpoint: str | None
     rolled_back: list[str]  # tensors restored from the checkpoint
     reset: list[str]  # variables the checkpoint lacks: back to their initial value
-    functions_since: int | None  # functions finished after the checkpoint was saved (None: unknown)
+    functions_since: int | None  # finished after the checkpoint was saved, on the lost servers (None: unknown)
     seconds: float = 0.0  # from noticing the loss to the servers restored
 
     def describe(self, rerun: int) -> str:
@@ -65,7 +66,8 @@ class Recovered:
             since = ("an unknown number of scheduled functions (it was not saved by this coordinator)"
                      if self.functions_since is None else f"{self.functions_since} scheduled function(s)")
             text += (f" Rolled back to checkpoint {self.checkpoint}: {_names(self.rolled_back)}; every update "
-                     f"made to them after it is lost ({since} finished since it was saved).")
+                     f"made to them after it is lost ({since} that reached the lost server finished since it "
+                     "was saved).")
         if self.reset:
             text += f" Back to their initial value (in no checkpoint): {_names(self.reset)}."
         text += f" {rerun} function(s) that failed or were cancelled by the loss run again."
@@ -91,14 +93,16 @@ def lost_servers(group: Any) -> list[ServerRef]:
     return gone + [s for s, a in zip(rest, answers) if isinstance(a, PSUnavailableError)]
 
 
-def recover(strategy: Any, manager: Any, done: Callable[[int], int]) -> Recovered | None:
+def recover(strategy: Any, manager: Any, done: Callable[[], Counter[int]]) -> Recovered | None:
     """Re-create and restore the lost servers of ``strategy`` (``None`` if none was lost).
 
-    ``done(moves)`` says how many functions the coordinator has finished
-    that started on a trainer knowing of fewer than ``moves`` re-created
-    servers (:func:`~daskps.ps.group.moves_known`): those that reached the
-    lost server, not the new one. It is asked at the end, when the reports
-    of functions that finished before the loss have all come in. Raises
+    ``done()`` counts the functions the coordinator has finished, by the
+    generation of servers their trainer knew as they started
+    (:func:`~daskps.ps.group.generation_known`); the manager kept the same
+    count at each save. Those that reached the lost servers (not their
+    replacements) and finished after the save are the ones whose updates
+    are lost. It is asked at the end, when the reports of functions that
+    finished before the loss have all come in. Raises
     :class:`~daskps.errors.PSUnavailableError` if no ps worker takes a lost
     server's place in time (config ``daskps.recovery-timeout``), or the
     checkpoint cannot be restored.
@@ -120,7 +124,6 @@ def recover(strategy: Any, manager: Any, done: Callable[[int], int]) -> Recovere
     protocol.hold(news)  # calls from other threads here wait until the new servers are restored
     try:
         protocol.move({old.actor_key: new for old, new in pairs})
-        moves = moves_known(group.token)
         variables = {r.key: r.name for keys in made for r in keys}
         latest = manager.latest_checkpoint
         rolled_back: list[str] = []
@@ -144,9 +147,16 @@ def recover(strategy: Any, manager: Any, done: Callable[[int], int]) -> Recovere
         _tell_workers(group.client, dict(protocol.MOVED))
     finally:
         protocol.release_holds(news)
-    since = manager._done_at.get(latest) if latest is not None else None
+    at_save = manager._done_at.get(latest) if latest is not None else None
     return Recovered(pairs, latest, rolled_back, sorted(set(variables.values())),
-                     None if since is None else max(0, done(moves) - since), time.monotonic() - started)
+                     None if at_save is None else _finished_on(pairs, done(), at_save), time.monotonic() - started)
+
+
+def _finished_on(pairs: list[tuple[ServerRef, ServerRef]], now: Counter[int], at_save: Counter[int]) -> int:
+    """How many functions that reached the lost servers of ``pairs`` finished after the save."""
+    low = min(key_generation(old.actor_key) for old, _ in pairs)  # knew of the oldest lost one
+    high = min(key_generation(new.actor_key) for _, new in pairs)  # did not know of its replacement yet
+    return sum(now[g] - at_save[g] for g in range(low, high))
 
 
 def _host(strategy: Any, group: Any, old: ServerRef, deadline: float) -> tuple[str, str]:

@@ -22,7 +22,7 @@ from daskps.ps import protocol
 from daskps.ps.protocol import DaskParameterServer, ServerRef
 
 SERVER_KEY_PREFIX = "daskps-ps-"
-_KEY = re.compile(rf"{SERVER_KEY_PREFIX}(\d+)-([0-9a-f]+)(?:-g\d+)?$")
+_KEY = re.compile(rf"{SERVER_KEY_PREFIX}(\d+)-([0-9a-f]+)(?:-g(\d+))?$")
 
 _GROUPS: weakref.WeakValueDictionary[str, ServerGroup] = weakref.WeakValueDictionary()
 
@@ -38,16 +38,27 @@ def parse_server_key(key: Any) -> tuple[int, str] | None:
     return (int(m.group(1)), m.group(2)) if m else None
 
 
-def moves_known(token: str) -> int:
-    """How many re-creations of group ``token``'s servers this process has heard of.
+def key_generation(key: str) -> int:
+    """How many servers of its group had been re-created when the server ``key`` was made (0: an original)."""
+    m = _KEY.match(key)
+    return int(m.group(3) or 0) if m else 0
 
-    Every process hears of them in the same order, so the count says which
-    servers a function reached: one run while it was lower than the
-    coordinator's count after a recovery wrote to the lost server.
+
+def generation_known(token: str) -> int:
+    """The generation of the newest re-created server of group ``token`` this process knows of (0: none).
+
+    A process learns all the servers one recovery made at once (from the
+    scheduler as a batch starts, or a follow task), so a function that
+    started knowing generation ``k`` used, for every server, the newest one
+    made up to generation ``k``: it reached a lost server of generation
+    ``g`` when ``g <= k`` and ``k`` is below the generation of its replacement.
     """
-    if not protocol.MOVED:
-        return 0
-    return sum(1 for key in protocol.MOVED if (parse_server_key(key) or (0, ""))[1] == token)
+    newest = 0
+    for server in list(protocol.MOVED.values()):  # a copy: another thread may be adding moves
+        m = _KEY.match(server.actor_key)
+        if m is not None and m.group(2) == token:
+            newest = max(newest, int(m.group(3) or 0))
+    return newest
 
 
 def group_of(server: ServerRef) -> ServerGroup | None:

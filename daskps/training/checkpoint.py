@@ -32,6 +32,7 @@ import json
 import re
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -459,7 +460,7 @@ class CheckpointManager:
         self._last_step: int | None = None
         self._init_fn = init_fn
         # checkpoint path -> functions the coordinator had finished when it was saved (see recovery)
-        self._done_at: dict[str, int] = {}
+        self._done_at: dict[str, Counter[int]] = {}  # path -> functions finished by then (see recovery)
         self._coordinator: Any = None  # weak reference, set by ClusterCoordinator(checkpoint_manager=...)
         preserved = [_written_at(self._fs, self._checkpoint_root(n)) for n in self._preserved()]
         self._last_preserved = max(preserved) if preserved else time.time() - 1.0
@@ -510,7 +511,7 @@ class CheckpointManager:
             checkpoint_number = max([self._checkpoint.save_counter, *numbers]) + 1
         self._checkpoint.save_counter = int(checkpoint_number)
         coordinator = None if self._coordinator is None else self._coordinator()
-        done = None if coordinator is None else coordinator.stats["done"]
+        done = None if coordinator is None else coordinator._finished_by_generation()
         path = self._checkpoint.write(f"{self._url}/{self._name}-{checkpoint_number}")
         if done is not None:
             self._done_at[path] = done
