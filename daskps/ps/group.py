@@ -53,6 +53,8 @@ def generation_known(token: str) -> int:
     made up to generation ``k``: it reached a lost server of generation
     ``g`` when ``g <= k`` and ``k`` is below the generation of its replacement.
     """
+    if not protocol.MOVED:
+        return 0
     newest = 0
     for server in list(protocol.MOVED.values()):  # a copy: another thread may be adding moves
         m = _KEY.match(server.actor_key)
