@@ -86,9 +86,12 @@ def wait_for_recovery(coordinator, count: int = 1, timeout: float = 60) -> None:
         time.sleep(0.02)
 
 
-def two_ps_training(client: Client, directory, sleep: float = 0.0):
+def two_ps_training(client: Client, directory, sleep: float = 0.0, saved_after: int = 0):
     """Variable ``a`` on ps-0 and ``b`` on ps-1, a checkpoint manager in ``directory``, its coordinator,
-    and a step adding 1 to both: ``(strategy, a, b, manager, coordinator, step)``."""
+    and a step adding 1 to both (``step(i)`` returns ``i``): ``(strategy, a, b, manager, coordinator, step)``.
+
+    With ``saved_after``, that many steps have run and been saved in a checkpoint.
+    """
     strategy = dps.ParameterServerStrategy(client)
     with strategy.scope():
         a = dps.Variable(0.0, name="a")  # ps-0
@@ -96,11 +99,17 @@ def two_ps_training(client: Client, directory, sleep: float = 0.0):
     manager = dps.CheckpointManager(dps.Checkpoint(a=a, b=b), str(directory))
     coordinator = dps.ClusterCoordinator(strategy, checkpoint_manager=manager)
 
-    def step():
+    def step(i=None):
         time.sleep(sleep)
         a.assign_add(1.0)
         b.assign_add(1.0)
+        return i
 
+    if saved_after:
+        for _ in range(saved_after):
+            coordinator.schedule(step)
+        coordinator.join()
+        manager.save()
     return strategy, a, b, manager, coordinator, step
 
 

@@ -67,6 +67,21 @@ class Tracked:
 
         self.step = step
 
+    def reading(self, dataset_fn, sleep):
+        """An iterator over a per-worker dataset of ``dataset_fn``, and ``step(k, iterator)``: takes an
+        element, then marks k as ``step`` does; returns the element."""
+        it = iter(self.coordinator.create_per_worker_dataset(dataset_fn))
+        sa, sb = self.sa, self.sb
+
+        def step(k, iterator):
+            x = next(iterator)
+            time.sleep(sleep)
+            sa.scatter_add(_onehot(k))
+            sb.scatter_add(_onehot(k))
+            return x
+
+        return it, step
+
     def restore_local(self, path):
         """The values in checkpoint ``path``, read into local variables (the README: a restore works into
         a plain, even local, variable)."""
@@ -402,17 +417,7 @@ def test_per_worker_iterators_keep_their_position_across_a_loss(fresh_cluster, t
     n = 600
     t = Tracked(client, tmp_path, n)
     coordinator = t.coordinator
-    dataset = coordinator.create_per_worker_dataset(_stream)
-    it = iter(dataset)
-    sa, sb = t.sa, t.sb
-
-    def step(k, iterator):
-        x = next(iterator)
-        time.sleep(0.003)
-        sa.scatter_add(_onehot(k))
-        sb.scatter_add(_onehot(k))
-        return x
-
+    it, step = t.reading(_stream, 0.003)
     remotes = [coordinator.schedule(step, args=(k, it)) for k in range(200)]
     coordinator.join()
     t.manager.save()
@@ -500,17 +505,8 @@ def test_scale_up_and_retire_a_trainer_during_a_recovery(fresh_cluster, tmp_path
     n = 700
     t = Tracked(client, tmp_path, n, sleep=0.006)
     coordinator = t.coordinator
-    dataset = coordinator.create_per_worker_dataset(_named_stream)
-    it = iter(dataset)
     sa, sb = t.sa, t.sb
-
-    def step(k, iterator):
-        x = next(iterator)
-        time.sleep(0.006)
-        sa.scatter_add(_onehot(k))
-        sb.scatter_add(_onehot(k))
-        return x
-
+    it, step = t.reading(_named_stream, 0.006)
     remotes = [coordinator.schedule(step, args=(k, it)) for k in range(100)]
     coordinator.join()
     t.manager.save()

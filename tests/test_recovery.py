@@ -200,11 +200,7 @@ def test_a_ps_gone_for_good_is_recreated_on_another_ps_worker(fresh_cluster, tmp
     import dask.config
 
     cluster, client = fresh_cluster
-    strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path)
-
-    coordinator.schedule(step)
-    coordinator.join()
-    manager.save()
+    strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path, saved_after=1)
     with dask.config.set({"daskps.recovery-same-worker-wait": "1s"}):
         _kill_for_good(cluster, client, "ps-0")
         for _ in range(20):
@@ -250,12 +246,7 @@ def test_server_keys_of_recreated_servers_parse():
 def test_a_ps_lost_while_nothing_runs_is_recovered_at_once(fresh_cluster, tmp_path):
     """The scheduler tells the coordinator when a server's worker leaves: no function has to fail first."""
     cluster, client = fresh_cluster
-    strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path)
-
-    for _ in range(10):
-        coordinator.schedule(step)
-    coordinator.join()
-    manager.save()
+    strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path, saved_after=10)
     a.assign(100.0)  # after the checkpoint: lost with the server
     kill_worker(client, "ps-0")
     with pytest.warns(RollbackWarning, match=r"'a'; every update made to them after it is lost \(0 scheduled"):

@@ -28,12 +28,7 @@ def _join_recording(coordinator, recoveries=0):
 def test_same_ps_killed_twice(fresh_cluster, tmp_path):
     """ps-0 is lost, re-created on its restarted worker, then lost again: recovered both times."""
     cluster, client = fresh_cluster
-    strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path, sleep=0.005)
-
-    for _ in range(20):
-        coordinator.schedule(step)
-    coordinator.join()
-    manager.save()
+    strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path, sleep=0.005, saved_after=20)
     for round_ in range(2):
         for _ in range(200):
             coordinator.schedule(step)
@@ -59,12 +54,7 @@ def test_same_ps_killed_twice(fresh_cluster, tmp_path):
 @pytest.mark.timeout(180)
 def test_both_ps_killed_at_once(fresh_cluster, tmp_path):
     cluster, client = fresh_cluster
-    strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path, sleep=0.005)
-
-    for _ in range(20):
-        coordinator.schedule(step)
-    coordinator.join()
-    manager.save()
+    strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path, sleep=0.005, saved_after=20)
     remotes = [coordinator.schedule(step) for _ in range(200)]
     wait_done(coordinator, 40)
     kill_worker(client, "ps-0")
@@ -164,23 +154,7 @@ def test_handle_cached_on_a_trainer_that_got_no_batch_since_recovery(fresh_clust
 @pytest.mark.timeout(180)
 def test_ps_and_trainer_killed_together(fresh_cluster, tmp_path):
     cluster, client = fresh_cluster
-    strategy = dps.ParameterServerStrategy(client)
-    with strategy.scope():
-        a = dps.Variable(0.0, name="a")  # ps-0
-        b = dps.Variable(0.0, name="b")  # ps-1
-    manager = dps.CheckpointManager(dps.Checkpoint(a=a, b=b), str(tmp_path))
-    coordinator = dps.ClusterCoordinator(strategy, checkpoint_manager=manager)
-
-    def step(i):
-        time.sleep(0.01)
-        a.assign_add(1.0)
-        b.assign_add(1.0)
-        return i
-
-    for i in range(10):
-        coordinator.schedule(step, args=(i,))
-    coordinator.join()
-    manager.save()
+    strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path, sleep=0.01, saved_after=10)
     remotes = [coordinator.schedule(step, args=(i,)) for i in range(300)]
     wait_done(coordinator, 40)
     kill_worker(client, "worker-0")
@@ -266,11 +240,7 @@ def _actors(dask_worker=None):
 @pytest.mark.timeout(180)
 def test_strategy_close_during_recovery_leaves_no_server(fresh_cluster, tmp_path):
     cluster, client = fresh_cluster
-    strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path, sleep=0.01)
-
-    coordinator.schedule(step)
-    coordinator.join()
-    manager.save()
+    strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path, sleep=0.01, saved_after=1)
     for _ in range(100):
         coordinator.schedule(step)
     wait_done(coordinator, 10)

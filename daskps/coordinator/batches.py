@@ -3,8 +3,8 @@
 The coordinator packs several scheduled functions into one Dask task (see
 :mod:`daskps.coordinator.coordinator`). On the trainer, :func:`run_batch`
 runs them in schedule order and, as they finish, logs events
-``[batch_key, [[function_id, status, payload, seconds, moves], ...]]`` to the coordinator's topic
-(``moves``: the generation of re-created servers the trainer knew as the function started):
+``[batch_key, [[function_id, status, payload, seconds, generation], ...]]`` to the coordinator's
+topic (``generation``: of the re-created servers the trainer knew as the function started):
 the result (pickled, when small) or the error reaches the coordinator at
 once, through the scheduler. The scheduler plugin notes which functions of a
 batch have reported; if the trainer dies and Dask runs the batch again
@@ -75,14 +75,14 @@ def run_batch(strategy_blob: bytes, topic: str, batch_key: str, batch: bytes) ->
             if _cancelled(worker, batch_key):
                 break
             pipe.function = cid
-            moves = generation_known(strategy._token)
+            generation = generation_known(strategy._token)
             started = time.perf_counter()
             status, payload, value = _run_one(strategy, blob)
             took = time.perf_counter() - started
             pipe.function = None
             if status == BIG:
                 big[cid] = value
-            reporter.finished(cid, status, payload, took, moves)
+            reporter.finished(cid, status, payload, took, generation)
             if status == ERROR or pipe.errors:
                 break
             following = closures[i + 1][1][0] if i + 1 < len(closures) else None
@@ -119,8 +119,8 @@ class _Reporter:
         self.lock = threading.Lock()
         self.timer = False
 
-    def finished(self, cid: int, status: str, payload: bytes | None, took: float, moves: int) -> None:
-        self.waiting.append([cid, status, payload, took, moves, time.monotonic()])
+    def finished(self, cid: int, status: str, payload: bytes | None, took: float, generation: int) -> None:
+        self.waiting.append([cid, status, payload, took, generation, time.monotonic()])
         self.send(final=status == ERROR)
 
     def overdue(self) -> bool:
@@ -134,11 +134,11 @@ class _Reporter:
 
     def send(self, final: bool = False) -> None:
         while self.waiting and self.pipe.settled(self.waiting[0][0]):
-            cid, status, payload, took, moves, _ = self.waiting.popleft()
+            cid, status, payload, took, generation, _ = self.waiting.popleft()
             if cid in self.pipe.errors:
                 status, payload = ERROR, _pickled_error(self.pipe.errors[cid])
             with self.lock:
-                self.outbox.append([cid, status, payload, took, moves])
+                self.outbox.append([cid, status, payload, took, generation])
             final = final or status == ERROR
         if final:
             self._flush()

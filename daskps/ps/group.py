@@ -32,16 +32,21 @@ def server_key(task_id: int, token: str, generation: int = 0) -> str:
     return f"{SERVER_KEY_PREFIX}{task_id}-{token}" + (f"-g{generation}" if generation else "")
 
 
+def _parse(key: Any) -> tuple[int, str, int] | None:
+    m = _KEY.match(key) if isinstance(key, str) else None
+    return (int(m.group(1)), m.group(2), int(m.group(3) or 0)) if m else None
+
+
 def parse_server_key(key: Any) -> tuple[int, str] | None:
     """``(task_id, token)`` of a server's actor key, or ``None`` for any other key."""
-    m = _KEY.match(key) if isinstance(key, str) else None
-    return (int(m.group(1)), m.group(2)) if m else None
+    parsed = _parse(key)
+    return parsed[:2] if parsed else None
 
 
 def key_generation(key: str) -> int:
     """How many servers of its group had been re-created when the server ``key`` was made (0: an original)."""
-    m = _KEY.match(key)
-    return int(m.group(3) or 0) if m else 0
+    parsed = _parse(key)
+    return parsed[2] if parsed else 0
 
 
 def generation_known(token: str) -> int:
@@ -55,12 +60,8 @@ def generation_known(token: str) -> int:
     """
     if not protocol.MOVED:
         return 0
-    newest = 0
-    for server in list(protocol.MOVED.values()):  # a copy: another thread may be adding moves
-        m = _KEY.match(server.actor_key)
-        if m is not None and m.group(2) == token:
-            newest = max(newest, int(m.group(3) or 0))
-    return newest
+    parsed = [_parse(server.actor_key) for server in list(protocol.MOVED.values())]  # a copy: others may add
+    return max((p[2] for p in parsed if p is not None and p[1] == token), default=0)
 
 
 def group_of(server: ServerRef) -> ServerGroup | None:

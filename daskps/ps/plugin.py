@@ -78,7 +78,7 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
                 asyncio.ensure_future(_run_on_workers(self.scheduler, list(todo.values())))
 
     def log_event(self, topic: str, msg: Any) -> None:
-        """Scheduled functions finished: ``[batch_key, [[function_id, status, payload, seconds, moves], ...]]``."""
+        """Scheduled functions finished: ``[batch_key, [[function_id, status, payload, seconds, generation], ...]]``."""
         if not topic.startswith(BATCH_TOPIC_PREFIX):
             return
         batch_key, finished = msg

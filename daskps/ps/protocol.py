@@ -105,11 +105,12 @@ def held_names(server: ServerRef) -> list[str]:
 
 def _unavailable(server: ServerRef, what: str, exc: BaseException | None = None, gone: bool = True) -> PSUnavailableError:
     cause = f" ({type(exc).__name__}: {exc})" if exc is not None else ""
-    error = PSUnavailableError(_unavailable_text(f"parameter server {server.label} {what}{cause}.", server))
+    happened = f"parameter server {server.label} {what}{cause}."
+    error = PSUnavailableError(_unavailable_text(happened, server))
     error.server_key = server.actor_key  # type: ignore[attr-defined]  # which server (travels by pickle)
+    error.daskps_what = happened  # type: ignore[attr-defined]  # named again where the handles are known
     if gone:  # unreachable or its actor gone, not just a broken channel
         GONE.add(server.actor_key)
-    error.daskps_what = f"parameter server {server.label} {what}{cause}."  # type: ignore[attr-defined]
     return error
 
 

@@ -459,8 +459,8 @@ class CheckpointManager:
         self._interval = checkpoint_interval
         self._last_step: int | None = None
         self._init_fn = init_fn
-        # checkpoint path -> functions the coordinator had finished when it was saved (see recovery)
-        self._done_at: dict[str, Counter[int]] = {}  # path -> functions finished by then (see recovery)
+        # checkpoint path -> the functions its coordinator had finished when it was saved (see recovery)
+        self._done_at: dict[str, Counter[int]] = {}
         self._coordinator: Any = None  # weak reference, set by ClusterCoordinator(checkpoint_manager=...)
         preserved = [_written_at(self._fs, self._checkpoint_root(n)) for n in self._preserved()]
         self._last_preserved = max(preserved) if preserved else time.time() - 1.0
