@@ -1,8 +1,11 @@
-"""Pickle a scheduled function once, and say what could not be pickled."""
+"""Pickle a scheduled function once, unpickle it once per process, and say what could not be pickled."""
 
 from __future__ import annotations
 
+import collections
 import inspect
+import pickle
+import threading
 from typing import Any
 
 import cloudpickle
@@ -52,3 +55,43 @@ def _find_culprit(obj: Any, where: str, depth: int) -> str | None:
             deeper = _find_culprit(child, label, depth + 1)
             return deeper or f"{label} (a {type(child).__module__}.{type(child).__qualname__})"
     return None
+
+
+class FunctionCache:
+    """Unpickled functions by their pickled bytes: each is unpickled once per process.
+
+    A scheduled function arrives pickled with every batch. Unpickling it each
+    time would rebuild whatever it captured, so a captured ``jax.jit``
+    function would compile again on every call (Dask's workers used to keep
+    such a cache too). The pickled bytes are the key: the coordinator pickles
+    a function once, so every call of one function object sends the same
+    bytes. At most ``size`` functions are kept, the least recently used going
+    first.
+
+    >>> cache = FunctionCache(size=2)
+    >>> blob = cloudpickle.dumps(len)
+    >>> cache.load(blob) is cache.load(blob)
+    True
+    """
+
+    def __init__(self, size: int):
+        self.size = size
+        self._functions: collections.OrderedDict[bytes, Any] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def load(self, blob: bytes) -> Any:
+        """The function pickled in ``blob``: the one unpickled before, if kept."""
+        with self._lock:
+            fn = self._functions.get(blob)
+            if fn is not None:
+                self._functions.move_to_end(blob)
+                return fn
+        fn = pickle.loads(blob)  # outside the lock: unpickling may take long
+        with self._lock:
+            fn = self._functions.setdefault(blob, fn)  # another thread may have stored it first
+            while len(self._functions) > self.size:
+                self._functions.popitem(last=False)
+        return fn
+
+    def __len__(self) -> int:
+        return len(self._functions)

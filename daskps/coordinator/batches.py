@@ -29,12 +29,14 @@ import time
 import traceback
 from typing import Any
 
+import dask.config
 from distributed.core import Status
 from distributed.protocol.pickle import dumps
 from distributed.utils import sync
 from distributed.worker import get_worker
 
 from daskps._core.nest import map_structure
+from daskps._core.pickling import FunctionCache
 from daskps.coordinator.datasets import PerWorkerValues, local_worker_index
 from daskps.distribute.context import scheduled_function
 from daskps.ps import pipeline, protocol, refs
@@ -170,13 +172,26 @@ def _cancelled(worker: Any, key: str) -> bool:
     return ts is None or ts.state == "cancelled"
 
 
+_FUNCTIONS: FunctionCache | None = None
+
+
+def _functions() -> FunctionCache:
+    """This process's unpickled scheduled functions (``daskps.function-cache-size`` of them)."""
+    global _FUNCTIONS
+    if _FUNCTIONS is None:
+        _FUNCTIONS = FunctionCache(int(dask.config.get("daskps.function-cache-size", 64)))
+    return _FUNCTIONS
+
+
 def _run_one(strategy: Any, blob: tuple[bytes, bytes]) -> tuple[str, bytes | None, Any]:
     """Run one scheduled function: ``(status, payload for the event, the value if too big)``."""
     made: list[Any] = []  # the handles its unpickling made: those it leaves behind are acquired here
     failed = None
     try:
+        # Outside borrowing: the handles a kept function captured live with it, borrowed (the
+        # coordinator keeps their objects alive while it schedules those same bytes).
+        fn = _functions().load(blob[0])
         with refs.borrowing(made):
-            fn = pickle.loads(blob[0])
             args, kwargs = pickle.loads(blob[1])
             if any(type(x) is PerWorkerValues for x in (*args, *kwargs.values())):
                 index = local_worker_index(tuple(strategy._worker_names))
