@@ -38,6 +38,7 @@ from daskps.training.checkpoint import Checkpoint, CheckpointManager
 from daskps.training.sidecar import SidecarEvaluator
 from daskps.ui.progress import progress
 from daskps.variables.embedding import embedding_lookup
+from daskps.variables.params import create_variables
 from daskps.variables.partitioned import create_partitioned_variables
 from daskps.variables.variable import ShardedVariable, Variable, read_values
 
@@ -65,6 +66,7 @@ __all__ = [
     "ValueContext",
     "Variable",
     "create_partitioned_variables",
+    "create_variables",
     "embedding_lookup",
     "errors",
     "get_replica_context",

@@ -29,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from daskps._core import transforms
+from daskps._core import transforms, trees
+from daskps._core.slices import IndexedSlices
 from daskps._core.updates import check_gradient
 from daskps.distribute import context
 from daskps.ps import protocol, refs
@@ -159,25 +160,37 @@ class Optimizer:
                     "optimizer.apply(grads, variables)"
                 )
             pairs.append(pair)
-        self._apply([g for g, _ in pairs], [v for _, v in pairs])
+        self._apply([as_gradient(g) for g, _ in pairs], [v for _, v in pairs])
         return self.iterations
 
-    def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
-        """Apply ``grads[i]`` to ``trainable_variables[i]`` (Keras 3's ``apply``).
+    def apply(self, grads: Any, trainable_variables: Any = None) -> None:
+        """Apply ``grads`` to ``trainable_variables`` (Keras 3's ``apply``), leaf by leaf.
 
-        Without ``trainable_variables``, the variables given to :meth:`build`.
+        Both may be lists, or trees of the same structure (as
+        :func:`daskps.create_variables` makes: a JAX pytree, nested dicts...),
+        matched by path; a structure mismatch names the first differing path.
+        Gradient leaves are numpy arrays, anything with ``__array__`` or
+        ``__dlpack__`` (JAX arrays, torch tensors), ``IndexedSlices``, or
+        ``None`` (that variable is skipped). Without ``trainable_variables``,
+        the variables given to :meth:`build`.
         """
         if trainable_variables is None:
             if self._built is None:
                 raise ValueError("trainable_variables must be given, or the optimizer built first with build(var_list)")
             trainable_variables = self._built
-        grads, trainable_variables = list(grads), list(trainable_variables)
-        if len(grads) != len(trainable_variables):
+        var_paths, variables, _ = trees.flatten(trainable_variables)
+        grad_paths, flat_grads, _ = trees.flatten(grads, is_leaf=lambda g: isinstance(g, IndexedSlices))
+        if _flat_sequence(grads) and _flat_sequence(trainable_variables) and len(flat_grads) != len(variables):
             raise ValueError(
-                f"grads and trainable_variables must have the same length, got {len(grads)} gradients "
-                f"for {len(trainable_variables)} variables"
+                f"grads and trainable_variables must have the same length, got {len(flat_grads)} gradients "
+                f"for {len(variables)} variables"
             )
-        self._apply(grads, trainable_variables)
+        order = trees.match(var_paths, grad_paths, "grads", "trainable_variables")
+        pairs = [(flat_grads[i], v) for i, v in zip(order, variables)]
+        # A tree's other leaves (a dataclass's activation name, None) carry no gradient.
+        pairs = [(g, v) for g, v in pairs if isinstance(v, (Variable, ShardedVariable)) or trees.is_array(g)
+                 or isinstance(g, IndexedSlices)]
+        self._apply([as_gradient(g) for g, _ in pairs], [v for _, v in pairs])
 
     def _apply(self, grads: list[Any], variables: list[Any]) -> None:
         items: list[tuple[Any, str, Any]] = []
@@ -205,6 +218,22 @@ def _rebuild(cls: type, transform: Any, lazy: bool, name: str, iterations: Varia
     opt._transform, opt.lazy_sparse, opt.name, opt.iterations = transform, lazy, name, iterations
     opt._key, opt._refs, opt._built = key, held, None
     return opt
+
+
+def as_gradient(grad: Any) -> Any:
+    """A gradient as numpy: JAX arrays, torch tensors and other array types converted; ``None`` kept."""
+    if grad is None or isinstance(grad, np.ndarray):
+        return grad
+    if isinstance(grad, IndexedSlices):
+        if isinstance(grad.values, np.ndarray) and isinstance(grad.indices, np.ndarray):
+            return grad
+        return IndexedSlices(trees.to_numpy(grad.values), trees.to_numpy(grad.indices), grad.dense_shape)
+    return trees.to_numpy(grad) if trees.is_array(grad) else grad
+
+
+def _flat_sequence(x: Any) -> bool:
+    return isinstance(x, (list, tuple)) and not hasattr(x, "_fields") and all(
+        trees.is_array(v) or v is None or isinstance(v, IndexedSlices) for v in x)
 
 
 def _describe(x: Any) -> str:

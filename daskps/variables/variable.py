@@ -17,11 +17,12 @@ variables; every operation on it works out the shards and rows it touches
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
+from daskps._core import trees
 from daskps._core.arrays import check_variable_args, default_array
 from daskps._core.updates import BATCH_SCATTER, check_update
 from daskps.distribute import context
@@ -321,19 +322,25 @@ def shards_of(v: Any, arg: str = "variables") -> list[Variable]:
     return [v]
 
 
-def read_values(variables: Iterable[Any]) -> list[np.ndarray]:
+def read_values(variables: Any) -> Any:
     """Read many variables, and rows of tables, with one round trip per parameter server.
 
     Parameters
     ----------
-    variables : iterable of Variable, ShardedVariable, or ``(table, ids)``
-        A ``(table, ids)`` pair reads the rows ``ids`` (any shape) of a
-        Variable or ShardedVariable, as ``dps.embedding_lookup(table, ids)``
-        does, in the same messages as everything else.
+    variables : a tree (or iterable) of Variable, ShardedVariable, or ``(table, ids)``
+        Any structure :func:`daskps.create_variables` accepts: a list, or a
+        model's parameter tree of nested dicts, lists, tuples, namedtuples,
+        dataclasses or JAX pytrees. A ``(table, ids)`` pair reads the rows
+        ``ids`` (any shape) of a Variable or ShardedVariable, as
+        ``dps.embedding_lookup(table, ids)`` does, in the same messages as
+        everything else. Leaves that are not arrays (``None``, strings,
+        numbers: what ``create_variables`` leaves as they are) are returned
+        as they are.
 
     Returns
     -------
-    list of numpy.ndarray, in the order given.
+    The same structure with a numpy array in place of each variable (a list
+    when given an iterator).
 
     Examples
     --------
@@ -343,14 +350,37 @@ def read_values(variables: Iterable[Any]) -> list[np.ndarray]:
     [array(1., dtype=float32), array([[2, 3],
            [4, 5]], dtype=int32), array([[4, 5],
            [4, 5]], dtype=int32)]
+    >>> dps.read_values({"w": a, "layers": [b]})["layers"][0].shape
+    (2, 2)
     """
-    plans = [_plan(v) for v in variables]
+    if not isinstance(variables, (list, tuple, dict)) and not trees.is_array(variables) and hasattr(variables, "__next__"):
+        variables = list(variables)
+    paths, leaves, rebuild = trees.flatten(variables, is_leaf=_is_row_read)
+    plans: list[Any] = []
+    for path, leaf in zip(paths, leaves):
+        if not trees.is_array(leaf) and not isinstance(leaf, tuple):  # None, a name: as create_variables left it
+            plans.append(([], lambda _, leaf=leaf: leaf))
+            continue
+        try:
+            plans.append(_plan(leaf))
+        except (TypeError, ValueError) as exc:
+            if not path:
+                raise
+            raise type(exc)(f"variables at {trees.describe(path)}: {exc}") from None
     values = protocol.read([(leaf._ref, index) for items, _ in plans for leaf, index in items])
     out, i = [], 0
     for items, assemble in plans:
         out.append(assemble(values[i : i + len(items)]))
         i += len(items)
-    return out
+    return rebuild(out)
+
+
+def _is_row_read(node: Any) -> bool:
+    """A ``(table, ids)`` pair: a variable and ids that hold no variable."""
+    if not (isinstance(node, tuple) and len(node) == 2 and isinstance(node[0], (Variable, ShardedVariable))):
+        return False
+    leaves = trees.flatten(node[1])[1]
+    return all(x is not None and not isinstance(x, (Variable, ShardedVariable)) for x in leaves)
 
 
 def _plan(v: Any) -> tuple[list[tuple[Variable, Any]], Any]:
