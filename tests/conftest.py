@@ -13,6 +13,10 @@ import time
 import pytest
 from distributed import Client
 
+# Keras 3 runs on JAX in the tests (its default backend, TensorFlow, is not installed); worker
+# processes inherit this.
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
 import daskps as dps
 from daskps.distribute.cluster import cluster_workers
 
