@@ -7,6 +7,7 @@ SPEC_NAMES = {
     "ReduceOp", "InputContext", "ValueContext", "RunOptions", "InputOptions", "Variable",
     "read_values", "ClusterCoordinator", "RemoteValue", "PerWorkerValues", "errors",
     "IndexedSlices", "ShardedVariable", "embedding_lookup", "partitioners", "create_partitioned_variables",
+    "create_variables",
 }
 
 
