@@ -64,6 +64,13 @@ class LocalPSCluster(SpecCluster):
     **kwargs
         Passed to ``distributed.SpecCluster`` (``silence_logs``, ``name``, ...).
 
+    Raises
+    ------
+    RuntimeError
+        When made at the top level of a script without
+        ``if __name__ == "__main__":``: each worker process imports the
+        script again (Dask spawns them), and would start a cluster of its own.
+
     Examples
     --------
     >>> import daskps as dps
