@@ -219,14 +219,15 @@ def _leave_worker_process() -> NoReturn:
     """Exits a worker process that is running an unguarded script again: quietly when a
     LocalPSCluster in the user's process will explain it, else with the error."""
     mark = os.environ.get(UNGUARDED_MARK_ENV)
-    try:
-        if not mark:
-            raise RuntimeError(_unguarded_message())
-        open(mark, "x").close()
-    except FileExistsError:
-        pass  # another worker process got there first
-    except OSError:
-        raise RuntimeError(_unguarded_message()) from None
+    if mark:
+        try:
+            open(mark, "x").close()
+        except FileExistsError:
+            pass  # another worker process got there first
+        except OSError:
+            mark = None  # the user's process will not know: say it here
+    if not mark:
+        raise RuntimeError(_unguarded_message())
     raise SystemExit(1)
 
 
