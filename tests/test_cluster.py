@@ -1,5 +1,8 @@
 """LocalPSCluster, DaskClusterResolver, and the CLI recipe with real processes."""
 
+import os
+import subprocess
+import sys
 import urllib.request
 
 import numpy as np
@@ -83,3 +86,28 @@ def test_cli_recipe_dask_scheduler_and_workers(tmp_path):
             coordinator.schedule(lambda: v.assign_add(np.ones(3, np.float32)))
         coordinator.join()
         np.testing.assert_array_equal(v.numpy(), np.full(3, 10.0))
+
+
+UNGUARDED_SCRIPT = """\
+import daskps as dps
+
+cluster = dps.LocalPSCluster(num_ps=2, num_workers=2)
+print("training")
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_script_without_the_main_guard_gets_one_clear_error(tmp_path):
+    """Worker processes re-run a script's top level: without the guard, one short error names it, instead
+    of Dask's tracebacks from every worker process ending in "Nanny failed to start"."""
+    script = tmp_path / "script.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # where the worker processes leave their mark
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=150)
+    assert out.returncode != 0 and "training" not in out.stdout
+    assert f"RuntimeError: LocalPSCluster was started while a worker process imported your script {script}" in out.stderr
+    assert out.stderr.rstrip().endswith('under if __name__ == "__main__":'), out.stderr
+    assert out.stderr.count("Traceback") == 1 and "Nanny" not in out.stderr, out.stderr
+    assert len(out.stderr.splitlines()) <= 12, out.stderr
+    assert not list(tmp_path.glob("daskps-unguarded-*")), "the mark is left behind"

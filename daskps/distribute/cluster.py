@@ -7,9 +7,18 @@ the user's own process, holding a ``distributed.Client``.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import logging
+import multiprocessing
+import os
 import re
-from typing import Any
+import sys
+import tempfile
+import uuid
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import dask.config
 from distributed import Client, Nanny, Scheduler, Security, SpecCluster, Worker
@@ -55,6 +64,13 @@ class LocalPSCluster(SpecCluster):
     **kwargs
         Passed to ``distributed.SpecCluster`` (``silence_logs``, ``name``, ...).
 
+    Raises
+    ------
+    RuntimeError
+        When made at the top level of a script without
+        ``if __name__ == "__main__":``: each worker process imports the
+        script again (Dask spawns them), and would start a cluster of its own.
+
     Examples
     --------
     >>> import daskps as dps
@@ -74,6 +90,8 @@ class LocalPSCluster(SpecCluster):
         security: Security | bool | None = None,
         **kwargs: Any,
     ):
+        if _importing_script_in_worker():
+            _leave_worker_process()
         checks = (("num_ps", num_ps, 0), ("num_workers", num_workers, 0),
                   ("threads_per_worker", threads_per_worker, 1), ("num_evaluators", num_evaluators, 0))
         for arg, value, low in checks:
@@ -117,7 +135,9 @@ class LocalPSCluster(SpecCluster):
         kwargs.setdefault("silence_logs", "error")
         register_page()  # the parameter-server page, before the scheduler starts
         with dask.config.set(_unset(self.quiet_config)):
-            super().__init__(workers=workers, scheduler=scheduler, worker=spec("worker"), **kwargs)
+            _start_explaining_unguarded_script(
+                functools.partial(super().__init__, workers=workers, scheduler=scheduler, worker=spec("worker"),
+                                  **kwargs))
 
     # Dask's monitors (loop health ticks, resource sampling, memory polling, the statistical
     # profiler sampling each worker every 10 ms) cost a quarter of a core on an idle 2 ps + 2
@@ -160,6 +180,76 @@ class LocalPSCluster(SpecCluster):
             f"LocalPSCluster({self.scheduler_address!r}, num_ps={self.num_ps}, "
             f"num_workers={self.num_workers})"
         )
+
+
+# Dask's worker processes are spawned: each one runs the user's script again, as module
+# ``__mp_main__``, before it becomes a worker. A script that starts a LocalPSCluster at its top
+# level, without ``if __name__ == "__main__":``, starts one in every worker process too, and Dask
+# shows that as a wall of tracebacks per worker ending in "Nanny failed to start". Instead the
+# worker process leaves a mark and exits quietly, and the user's process, finding the mark, raises
+# one error that says what to do.
+UNGUARDED_MARK_ENV = "DASKPS_UNGUARDED_SCRIPT_MARK"
+
+
+def _unguarded_message() -> str:
+    # The running script: multiprocessing names it __mp_main__ as well as __main__ in the user's
+    # process, and only __mp_main__ while a worker process runs it again.
+    script = getattr(sys.modules.get("__mp_main__", sys.modules.get("__main__")), "__file__", None)
+    return (
+        f"LocalPSCluster was started while a worker process imported your script"
+        f"{f' {script}' if script else ''}: Dask starts each worker in a new Python process that runs "
+        f"the script's top-level code again. Start the cluster (and everything that uses it) under "
+        f'if __name__ == "__main__":'
+    )
+
+
+def _importing_script_in_worker() -> bool:
+    """Whether this is a spawned child process still running the user's script as ``__mp_main__``."""
+    if multiprocessing.current_process().name == "MainProcess":
+        return False
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _leave_worker_process() -> NoReturn:
+    """Exits a worker process that is running an unguarded script again: quietly when a
+    LocalPSCluster in the user's process will explain it, else with the error."""
+    mark = os.environ.get(UNGUARDED_MARK_ENV)
+    if mark:
+        try:
+            open(mark, "x").close()
+        except FileExistsError:
+            pass  # another worker process got there first
+        except OSError:
+            mark = None  # the user's process will not know: say it here
+    if not mark:
+        raise RuntimeError(_unguarded_message())
+    raise SystemExit(1)
+
+
+def _start_explaining_unguarded_script(start: Callable[[], None]) -> None:
+    """Calls ``start`` and, when a worker process left the mark, raises ``_unguarded_message()``
+    instead of Dask's error."""
+    mark = os.path.join(tempfile.gettempdir(), f"daskps-unguarded-{uuid.uuid4().hex}")
+    previous = os.environ.get(UNGUARDED_MARK_ENV)
+    os.environ[UNGUARDED_MARK_ENV] = mark  # inherited by the worker processes spawned meanwhile
+    try:
+        start()
+    except Exception:
+        if os.path.exists(mark):
+            raise RuntimeError(_unguarded_message()) from None
+        raise
+    finally:
+        if previous is None:
+            os.environ.pop(UNGUARDED_MARK_ENV, None)
+        else:
+            os.environ[UNGUARDED_MARK_ENV] = previous
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(mark)
 
 
 def _unset(settings: dict[str, Any]) -> dict[str, Any]:

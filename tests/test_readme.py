@@ -1,0 +1,81 @@
+"""The README's code that starts a cluster runs as it stands: saved as a script and run with ``python``,
+or, where the README marks a block "In a notebook or IPython:", in a Jupyter kernel.
+
+Dask's worker processes are spawned and import the user's script again, so a script that starts a cluster
+needs ``if __name__ == "__main__":``; the README's scripts must have it, and these tests run them the way a
+new user would.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+NOTEBOOK_MARK = "In a notebook or IPython:"
+STARTS_A_CLUSTER = re.compile(r"\b(LocalPSCluster|LocalCluster)\(")
+GUARD = 'if __name__ == "__main__":'
+
+
+class Block(NamedTuple):
+    line: int  # of the opening fence, 1-based
+    code: str
+    notebook: bool  # the last line before the fence is NOTEBOOK_MARK
+
+
+def python_blocks(text: str) -> list[Block]:
+    """Every ```python block of ``text``, dedented by its fence's indentation (blocks in lists)."""
+    blocks, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        fence = re.fullmatch(r"(\s*)```python\s*", lines[i])
+        if not fence:
+            i += 1
+            continue
+        before = next((line.strip() for line in reversed(lines[:i]) if line.strip()), "")
+        start, indent = i, len(fence.group(1))
+        i += 1
+        while lines[i].strip() != "```":
+            i += 1
+        code = "\n".join(line[indent:] for line in lines[start + 1 : i]) + "\n"
+        blocks.append(Block(start + 1, code, before.endswith(NOTEBOOK_MARK)))
+    return blocks
+
+
+CLUSTER_BLOCKS = [b for b in python_blocks(README.read_text()) if STARTS_A_CLUSTER.search(b.code)]
+
+
+def _params(notebook: bool) -> list:
+    found = [pytest.param(b, id=f"README.md:{b.line}") for b in CLUSTER_BLOCKS if b.notebook == notebook]
+    kind = "notebook code" if notebook else "a script"
+    skip = pytest.mark.skip(reason=f"no README block that starts a cluster is {kind}")
+    return found or [pytest.param(None, marks=skip, id="none")]
+
+
+def test_blocks_that_start_a_cluster_are_guarded_scripts_or_marked_for_notebooks():
+    assert CLUSTER_BLOCKS, "the README's first example starts a LocalPSCluster: the extractor found none"
+    for block in CLUSTER_BLOCKS:
+        assert block.notebook or GUARD in block.code, (
+            f"README.md:{block.line} starts a cluster: it needs {GUARD} or a line {NOTEBOOK_MARK!r} before it")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("block", _params(notebook=False))
+def test_script_block_runs_with_python(block, tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(block.code)
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, f"README.md:{block.line} failed:\n{out.stderr[-3000:]}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("block", _params(notebook=True))
+def test_notebook_block_runs_in_a_kernel(block, tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(block.code)])
+    NotebookClient(nb, timeout=240, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
