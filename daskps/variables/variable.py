@@ -355,7 +355,11 @@ def read_values(variables: Any) -> Any:
     """
     if not isinstance(variables, (list, tuple, dict)) and not trees.is_array(variables) and hasattr(variables, "__next__"):
         variables = list(variables)
-    paths, leaves, rebuild = trees.flatten(variables, is_leaf=_is_row_read)
+    rebuild: Any = list
+    if isinstance(variables, list) and all(isinstance(v, (Variable, ShardedVariable)) for v in variables):
+        paths, leaves = [(i,) for i in range(len(variables))], variables  # the common case, fast
+    else:
+        paths, leaves, rebuild = trees.flatten(variables, is_leaf=_is_row_read)
     plans: list[Any] = []
     for path, leaf in zip(paths, leaves):
         if not trees.is_array(leaf) and not isinstance(leaf, tuple):  # None, a name: as create_variables left it
