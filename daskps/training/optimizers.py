@@ -9,7 +9,13 @@ by server and sends each server one call; the server keeps the state next
 to the variable (or shard) and applies the update there. ``iterations``
 lives on a server too and is bumped within one of those calls.
 
-The arithmetic is Keras 3's for optimizers of the same name and arguments.
+The arithmetic is Keras 3's for optimizers of the same name and arguments,
+``weight_decay`` (decoupled, applied before the step with that step's
+learning rate), gradient clipping and learning-rate schedules included.
+Clipping runs here, on the trainer, before a gradient is split into
+shards; everything else runs on the servers. A variable's step (for
+schedules and bias corrections) is the number of updates it has had, kept
+in its state: Keras' ``iterations`` when every step updates every variable.
 
 >>> import daskps as dps
 >>> w = dps.Variable([1.0, 2.0])
@@ -29,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from daskps._core import transforms, trees
+from daskps._core import schedules, transforms, trees
 from daskps._core.slices import IndexedSlices
 from daskps._core.updates import check_gradient
 from daskps.distribute import context
@@ -37,13 +43,34 @@ from daskps.ps import protocol, refs
 from daskps.variables import rows
 from daskps.variables.variable import ShardedVariable, Variable, shards_of
 
-__all__ = ["SGD", "Adagrad", "Adam", "Optimizer"]
+__all__ = ["Adagrad", "Adam", "AdamW", "Adamax", "Ftrl", "Lion", "Nadam", "Optimizer", "RMSprop", "SGD"]
 
 
 def _positive(value: Any, arg: str, allow_zero: bool = False) -> float:
     ok = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
     if not ok or value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"{arg} must be a {'non-negative' if allow_zero else 'positive'} number, got {value!r}")
+    return float(value)
+
+
+def _rate(value: Any) -> Any:
+    """A learning rate: a positive number, or a schedule (kept as it is, to travel to the servers)."""
+    if isinstance(value, schedules.LearningRateSchedule):
+        return value
+    if not isinstance(value, (int, float, np.floating, np.integer)) or isinstance(value, bool):
+        raise ValueError(f"learning_rate must be a positive number or a LearningRateSchedule, got {value!r}")
+    return _positive(value, "learning_rate")
+
+
+def _optional(value: Any, arg: str, allow_zero: bool = True) -> float | None:
+    return None if value is None else _positive(value, arg, allow_zero)
+
+
+def _unit(value: Any, arg: str, low_open: bool = False, high_open: bool = True) -> float:
+    """A number in [0, 1) (or with other ends open or closed, as ``low_open``/``high_open`` say)."""
+    ok = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
+    if not ok or value < 0 or (low_open and value == 0) or value > 1 or (high_open and value == 1):
+        raise ValueError(f"{arg} must be in {'(' if low_open else '['}0, 1{')' if high_open else ']'}, got {value!r}")
     return float(value)
 
 
@@ -58,19 +85,39 @@ class Optimizer:
         (their slot rows too): the usual choice for embeddings, as
         TensorFlow Addons' ``LazyAdam``. ``False`` turns the gradient into a
         dense one (repeated rows summed) and updates every row, as Keras does.
+        Weight decay follows the same choice: with ``lazy_sparse`` only the
+        named rows decay.
     name : str
+    clipnorm, clipvalue, global_clipnorm : float, optional
+        Gradient clipping, at most one of them (as Keras): each gradient to
+        an L2 norm of at most ``clipnorm``; each value to
+        ``[-clipvalue, clipvalue]``; or all gradients of one
+        :meth:`apply`/:meth:`apply_gradients` call together to a global norm
+        of at most ``global_clipnorm``. Clipping runs on the trainer, before
+        a gradient is split into shards, so norms are over whole variables.
+        The norm of an ``IndexedSlices`` gradient is that of its values as
+        given (repeated rows not summed first), as TensorFlow computes it.
 
     Create optimizers inside ``strategy.scope()``, so that ``iterations``
     lives on a parameter server and every trainer counts into it.
     """
 
-    def __init__(self, transform: Any, lazy_sparse: bool = True, name: str = "Optimizer"):
+    def __init__(self, transform: Any, lazy_sparse: bool = True, name: str = "Optimizer",
+                 clipnorm: float | None = None, clipvalue: float | None = None,
+                 global_clipnorm: float | None = None):
+        given = {k: v for k, v in (("clipnorm", clipnorm), ("clipvalue", clipvalue),
+                                   ("global_clipnorm", global_clipnorm)) if v is not None}
+        if len(given) > 1:
+            raise ValueError(f"only one of clipnorm, clipvalue and global_clipnorm can be set, got {given}")
+        clipping = transforms.Clipping(*(_optional(v, a, allow_zero=False) for a, v in (
+            ("clipnorm", clipnorm), ("clipvalue", clipvalue), ("global_clipnorm", global_clipnorm))))
         mode = context.current_mode()
         strategy: Any = mode.strategy
         in_scope = getattr(strategy, "_variable_creator", None) is not None and mode.replica_context is None
         if in_scope and getattr(strategy, "_group", None) is None:
             raise RuntimeError("create optimizers on the coordinator, not inside a scheduled function")
         self._transform = transform
+        self._clipping = clipping
         self.lazy_sparse = bool(lazy_sparse)
         self.name = name
         self.iterations = Variable(np.int64(0), trainable=False, name=f"{name}/iterations")
@@ -91,17 +138,59 @@ class Optimizer:
     def __reduce__(self) -> Any:
         remote = [r for r in self._refs if not r.server.is_local]  # this process's own server stays here
         return (_rebuild, (type(self), self._transform, self.lazy_sparse, self.name, self.iterations,
-                           self._key, remote))
+                           self._key, remote, self._clipping))
 
     # -- hyperparameters --------------------------------------------------------
     @property
     def learning_rate(self) -> float:
-        return self._transform.learning_rate
+        """The learning rate; with a schedule, its value at ``iterations`` (read from its server), as Keras.
+
+        Setting it changes it on every server (one call each); slots are
+        kept. A schedule may replace a number or a schedule; a number may not
+        replace a schedule (Keras refuses that too).
+        """
+        rate = self._transform.learning_rate
+        if isinstance(rate, schedules.LearningRateSchedule):
+            return float(rate(int(self.iterations.numpy())))
+        return rate
 
     @learning_rate.setter
-    def learning_rate(self, value: float) -> None:
-        """Change the learning rate on every server (one call each); slots are kept."""
-        self._reconfigure(learning_rate=_positive(value, "learning_rate"))
+    def learning_rate(self, value: Any) -> None:
+        if isinstance(self._transform.learning_rate, schedules.LearningRateSchedule) and not isinstance(
+                value, schedules.LearningRateSchedule):
+            raise TypeError(
+                f"optimizer {self.name!r} was made with a LearningRateSchedule as its learning_rate, so it "
+                f"cannot be set to the number {value!r}; set another schedule, or make the optimizer with a number"
+            )
+        self._reconfigure(learning_rate=_rate(value))
+
+    @property
+    def clipnorm(self) -> float | None:
+        return self._clipping.clipnorm
+
+    @property
+    def clipvalue(self) -> float | None:
+        return self._clipping.clipvalue
+
+    @property
+    def global_clipnorm(self) -> float | None:
+        return self._clipping.global_clipnorm
+
+    def exclude_from_weight_decay(self, var_list: Sequence[Any] | None = None,
+                                  var_names: Sequence[str] | None = None) -> None:
+        """Keep ``var_list`` and every variable whose name contains one of ``var_names`` from weight decay.
+
+        As Keras' method of that name: ``var_names`` are regular expressions
+        searched for in the variable's name (a shard's name starts with its
+        variable's). A second call replaces the first. The choice is sent to
+        every server (one call each).
+        """
+        keys = frozenset(ref.key for v in (var_list or []) for ref in _refs_of(v, "var_list"))
+        for n in var_names or []:
+            if not isinstance(n, str):
+                raise TypeError(f"var_names must be strings, got {n!r}")
+        pattern = "|".join(sorted(set(var_names))) if var_names else None
+        self._reconfigure(decay_exempt=transforms.DecayExempt(keys, pattern) if keys or pattern else None)
 
     def _reconfigure(self, **changes: Any) -> None:
         transform = self._transform._replace(**changes)
@@ -193,14 +282,19 @@ class Optimizer:
         self._apply([as_gradient(g) for g, _ in pairs], [v for _, v in pairs])
 
     def _apply(self, grads: list[Any], variables: list[Any]) -> None:
-        items: list[tuple[Any, str, Any]] = []
+        checked: list[tuple[Any, str, Any]] = []
         for grad, var in zip(grads, variables):
             if grad is None:
                 continue
             if not isinstance(var, (Variable, ShardedVariable)):
                 raise TypeError(f"gradients must be paired with Variables, got {_describe(var)}")
             transforms.check_trainable(var.dtype, var.name, self.name)
-            items.extend(_split_gradient(var, grad))
+            checked.append((var, *check_gradient(var.shape, var.dtype, var.name, grad)))
+        # Clipping sees whole gradients: the servers see only their shards' parts.
+        clipped = transforms.clip_gradients(self._clipping, [(kind, payload) for _, kind, payload in checked])
+        items: list[tuple[Any, str, Any]] = []
+        for (var, _, _), (kind, payload) in zip(checked, clipped):
+            items.extend(_split_gradient(var, kind, payload))
         counter = self.iterations._ref
         if counter.server.is_local and any(not v._ref.server.is_local for v, _, _ in items):
             raise RuntimeError(
@@ -210,14 +304,20 @@ class Optimizer:
         protocol.apply_gradients(self._key, [(v._ref, kind, g) for v, kind, g in items], counter)
 
     def __repr__(self) -> str:
-        return f"<daskps.optimizers.{type(self).__name__} {self.name!r} learning_rate={self.learning_rate}>"
+        rate = self._transform.learning_rate  # a schedule as itself: no call to a server
+        return f"<daskps.optimizers.{type(self).__name__} {self.name!r} learning_rate={rate}>"
 
 
-def _rebuild(cls: type, transform: Any, lazy: bool, name: str, iterations: Variable, key: str, held: list) -> Optimizer:
+def _rebuild(cls: type, transform: Any, lazy: bool, name: str, iterations: Variable, key: str, held: list,
+             clipping: Any) -> Optimizer:
     opt: Optimizer = object.__new__(cls)
     opt._transform, opt.lazy_sparse, opt.name, opt.iterations = transform, lazy, name, iterations
-    opt._key, opt._refs, opt._built = key, held, None
+    opt._key, opt._refs, opt._built, opt._clipping = key, held, None, clipping
     return opt
+
+
+def _refs_of(var: Any, arg: str) -> list[Any]:
+    return [v._ref for v in shards_of(var, arg)]
 
 
 def as_gradient(grad: Any) -> Any:
@@ -241,8 +341,7 @@ def _describe(x: Any) -> str:
     return f"a {type(x).__name__}" + (f" of shape {shape}" if shape is not None else "")
 
 
-def _split_gradient(var: Any, grad: Any) -> list[tuple[Variable, str, Any]]:
-    kind, payload = check_gradient(var.shape, var.dtype, var.name, grad)
+def _split_gradient(var: Any, kind: str, payload: Any) -> list[tuple[Variable, str, Any]]:
     if isinstance(var, Variable):
         return [(var, kind, payload)]
     if kind == "dense":
@@ -250,6 +349,16 @@ def _split_gradient(var: Any, grad: Any) -> list[tuple[Variable, str, Any]]:
     # Every shard gets its part, even an empty one, so that all shards count the
     # same steps and Adam's bias correction does not depend on the sharding.
     return list(zip(var.variables, ["rows"] * len(var.variables), rows.split_rows(var._offsets, *payload)))
+
+
+_COMMON = """
+    Every optimizer also takes Keras 3's ``weight_decay`` (decoupled: before
+    each step the variable is multiplied by ``1 - weight_decay * lr``, with
+    that step's learning rate), ``clipnorm``, ``clipvalue`` and
+    ``global_clipnorm`` (see :class:`Optimizer`), and daskps' ``lazy_sparse``.
+    ``learning_rate`` may be a schedule of
+    :mod:`daskps.optimizers.schedules`, evaluated on the servers at each
+    variable's step (the updates it has had so far)."""
 
 
 class SGD(Optimizer):
@@ -261,26 +370,40 @@ class SGD(Optimizer):
     (array([-0.1, -0.1], dtype=float32), array([-0.1, -0.1], dtype=float32))
     """
 
-    def __init__(self, learning_rate: float = 0.01, momentum: float = 0.0, nesterov: bool = False,
-                 lazy_sparse: bool = True, name: str = "SGD"):
+    def __init__(self, learning_rate: Any = 0.01, momentum: float = 0.0, nesterov: bool = False,
+                 weight_decay: float | None = None, clipnorm: float | None = None, clipvalue: float | None = None,
+                 global_clipnorm: float | None = None, lazy_sparse: bool = True, name: str = "SGD"):
         momentum = _positive(momentum, "momentum", allow_zero=True)
         if momentum > 1:
             raise ValueError(f"momentum must be in [0, 1], got {momentum!r}")
-        transform = transforms.SGDTransform(_positive(learning_rate, "learning_rate"), momentum, bool(nesterov))
-        super().__init__(transform, lazy_sparse, name)
+        transform = transforms.SGDTransform(_rate(learning_rate), momentum, bool(nesterov),
+                                            _optional(weight_decay, "weight_decay"))
+        super().__init__(transform, lazy_sparse, name, clipnorm, clipvalue, global_clipnorm)
 
 
 class Adagrad(Optimizer):
-    """Adagrad, as ``keras.optimizers.Adagrad``: ``p -= lr * g / sqrt(acc + epsilon)``."""
+    """Adagrad, as ``keras.optimizers.Adagrad``: ``p -= lr * g / sqrt(acc + epsilon)``.
 
-    def __init__(self, learning_rate: float = 0.001, initial_accumulator_value: float = 0.1,
-                 epsilon: float = 1e-7, lazy_sparse: bool = True, name: str = "Adagrad"):
+    >>> opt = Adagrad(0.1, initial_accumulator_value=0.0)
+    >>> opt.update(np.ones(1, np.float32), opt.init(np.zeros(1, np.float32)), np.zeros(1, np.float32))[0]
+    array([-0.1], dtype=float32)
+    """
+
+    def __init__(self, learning_rate: Any = 0.001, initial_accumulator_value: float = 0.1,
+                 epsilon: float = 1e-7, weight_decay: float | None = None, clipnorm: float | None = None,
+                 clipvalue: float | None = None, global_clipnorm: float | None = None,
+                 lazy_sparse: bool = True, name: str = "Adagrad"):
         transform = transforms.AdagradTransform(
-            _positive(learning_rate, "learning_rate"),
+            _rate(learning_rate),
             _positive(initial_accumulator_value, "initial_accumulator_value", True),
             _positive(epsilon, "epsilon"),
+            _optional(weight_decay, "weight_decay"),
         )
-        super().__init__(transform, lazy_sparse, name)
+        super().__init__(transform, lazy_sparse, name, clipnorm, clipvalue, global_clipnorm)
+
+
+def _betas(beta_1: Any, beta_2: Any) -> tuple[float, float]:
+    return _unit(beta_1, "beta_1"), _unit(beta_2, "beta_2")
 
 
 class Adam(Optimizer):
@@ -288,13 +411,153 @@ class Adam(Optimizer):
 
     The bias correction uses the number of updates the variable has had,
     which equals Keras' ``iterations + 1`` when every step updates it.
+
+    >>> opt = Adam(0.1)
+    >>> opt.update(np.ones(1, np.float32), opt.init(np.zeros(1, np.float32)), np.zeros(1, np.float32))[0].round(4)
+    array([-0.1], dtype=float32)
     """
 
-    def __init__(self, learning_rate: float = 0.001, beta_1: float = 0.9, beta_2: float = 0.999,
-                 epsilon: float = 1e-7, amsgrad: bool = False, lazy_sparse: bool = True, name: str = "Adam"):
-        for arg, value in (("beta_1", beta_1), ("beta_2", beta_2)):
-            if not isinstance(value, (int, float)) or not 0 <= value < 1:
-                raise ValueError(f"{arg} must be in [0, 1), got {value!r}")
-        transform = transforms.AdamTransform(_positive(learning_rate, "learning_rate"), float(beta_1),
-                                             float(beta_2), _positive(epsilon, "epsilon"), bool(amsgrad))
-        super().__init__(transform, lazy_sparse, name)
+    def __init__(self, learning_rate: Any = 0.001, beta_1: float = 0.9, beta_2: float = 0.999,
+                 epsilon: float = 1e-7, amsgrad: bool = False, weight_decay: float | None = None,
+                 clipnorm: float | None = None, clipvalue: float | None = None,
+                 global_clipnorm: float | None = None, lazy_sparse: bool = True, name: str = "Adam"):
+        transform = transforms.AdamTransform(_rate(learning_rate), *_betas(beta_1, beta_2),
+                                             _positive(epsilon, "epsilon"), bool(amsgrad),
+                                             _optional(weight_decay, "weight_decay"))
+        super().__init__(transform, lazy_sparse, name, clipnorm, clipvalue, global_clipnorm)
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay, as ``keras.optimizers.AdamW`` (``weight_decay`` 0.004 unless given).
+
+    >>> opt = AdamW(0.1, weight_decay=0.5)
+    >>> opt.update(np.zeros(1, np.float32), opt.init(np.ones(1, np.float32)), np.ones(1, np.float32))[0].round(4)
+    array([-0.05], dtype=float32)
+    """
+
+    def __init__(self, learning_rate: Any = 0.001, weight_decay: float = 0.004, beta_1: float = 0.9,
+                 beta_2: float = 0.999, epsilon: float = 1e-7, amsgrad: bool = False,
+                 clipnorm: float | None = None, clipvalue: float | None = None,
+                 global_clipnorm: float | None = None, lazy_sparse: bool = True, name: str = "AdamW"):
+        if weight_decay is None:
+            raise ValueError("weight_decay must be a non-negative number for AdamW, got None (use Adam for none)")
+        super().__init__(learning_rate, beta_1, beta_2, epsilon, amsgrad, weight_decay, clipnorm, clipvalue,
+                         global_clipnorm, lazy_sparse, name)
+
+
+class RMSprop(Optimizer):
+    """RMSprop, as ``keras.optimizers.RMSprop``: steps divided by a moving root mean square of the gradients.
+
+    ``rho`` is the moving average's decay; ``momentum > 0`` accumulates the
+    steps; ``centered`` divides by an estimate of the gradients' variance
+    instead (the moving mean's square subtracted).
+
+    >>> opt = RMSprop(0.1, rho=0.0)
+    >>> opt.update(np.full(1, 2.0, np.float32), opt.init(np.zeros(1, np.float32)), np.zeros(1, np.float32))[0]
+    array([-0.1], dtype=float32)
+    """
+
+    def __init__(self, learning_rate: Any = 0.001, rho: float = 0.9, momentum: float = 0.0, epsilon: float = 1e-7,
+                 centered: bool = False, weight_decay: float | None = None, clipnorm: float | None = None,
+                 clipvalue: float | None = None, global_clipnorm: float | None = None,
+                 lazy_sparse: bool = True, name: str = "RMSprop"):
+        transform = transforms.RMSpropTransform(
+            _rate(learning_rate), _unit(rho, "rho", high_open=False), _positive(momentum, "momentum", True),
+            _positive(epsilon, "epsilon", True), bool(centered), _optional(weight_decay, "weight_decay"))
+        super().__init__(transform, lazy_sparse, name, clipnorm, clipvalue, global_clipnorm)
+
+
+class Ftrl(Optimizer):
+    """Follow The Regularized Leader, as ``keras.optimizers.Ftrl``.
+
+    Arguments and their checks are Keras': ``learning_rate_power <= 0``;
+    the accumulator's start and the three regularisation strengths >= 0;
+    ``beta`` adds ``beta / (2 * lr)`` to the L2 strength.
+
+    >>> opt = Ftrl(0.1, l1_regularization_strength=1.0)
+    >>> opt.update(np.full(1, 0.5, np.float32), opt.init(np.zeros(1, np.float32)), np.zeros(1, np.float32))[0]
+    array([0.], dtype=float32)
+    """
+
+    def __init__(self, learning_rate: Any = 0.001, learning_rate_power: float = -0.5,
+                 initial_accumulator_value: float = 0.1, l1_regularization_strength: float = 0.0,
+                 l2_regularization_strength: float = 0.0, l2_shrinkage_regularization_strength: float = 0.0,
+                 beta: float = 0.0, weight_decay: float | None = None, clipnorm: float | None = None,
+                 clipvalue: float | None = None, global_clipnorm: float | None = None,
+                 lazy_sparse: bool = True, name: str = "Ftrl"):
+        ok = isinstance(learning_rate_power, (int, float, np.floating, np.integer)) and not isinstance(
+            learning_rate_power, bool)
+        if not ok or learning_rate_power > 0:
+            raise ValueError(f"learning_rate_power must be a number <= 0, got {learning_rate_power!r}")
+        transform = transforms.FtrlTransform(
+            _rate(learning_rate), float(learning_rate_power),
+            _positive(initial_accumulator_value, "initial_accumulator_value", True),
+            _positive(l1_regularization_strength, "l1_regularization_strength", True),
+            _positive(l2_regularization_strength, "l2_regularization_strength", True),
+            _positive(l2_shrinkage_regularization_strength, "l2_shrinkage_regularization_strength", True),
+            _positive(beta, "beta", True), _optional(weight_decay, "weight_decay"))
+        super().__init__(transform, lazy_sparse, name, clipnorm, clipvalue, global_clipnorm)
+
+
+class Adamax(Optimizer):
+    """Adamax, as ``keras.optimizers.Adamax``: Adam with an infinity norm of the gradients in place of ``v``.
+
+    >>> opt = Adamax(0.1)
+    >>> opt.update(np.ones(1, np.float32), opt.init(np.zeros(1, np.float32)), np.zeros(1, np.float32))[0].round(4)
+    array([-0.1], dtype=float32)
+    """
+
+    def __init__(self, learning_rate: Any = 0.001, beta_1: float = 0.9, beta_2: float = 0.999,
+                 epsilon: float = 1e-7, weight_decay: float | None = None, clipnorm: float | None = None,
+                 clipvalue: float | None = None, global_clipnorm: float | None = None,
+                 lazy_sparse: bool = True, name: str = "Adamax"):
+        transform = transforms.AdamaxTransform(_rate(learning_rate), *_betas(beta_1, beta_2),
+                                               _positive(epsilon, "epsilon"), _optional(weight_decay, "weight_decay"))
+        super().__init__(transform, lazy_sparse, name, clipnorm, clipvalue, global_clipnorm)
+
+
+class Nadam(Optimizer):
+    """Nadam (Adam with Nesterov momentum), as ``keras.optimizers.Nadam``.
+
+    Keras keeps a running product of momentum-decay terms (``u_product``),
+    multiplied once per step. Here it is computed from each variable's (or
+    shard's) own step count, which lives in its state on its server, so
+    sharding, checkpoints and re-created servers need nothing more; it is
+    Keras' product when every step updates every variable.
+
+    >>> opt = Nadam(0.1)
+    >>> updates, state = opt.update(np.ones(1, np.float32), opt.init(np.zeros(1, np.float32)), np.zeros(1, np.float32))
+    >>> state.count, bool(updates[0] < 0)
+    (1, True)
+    """
+
+    def __init__(self, learning_rate: Any = 0.001, beta_1: float = 0.9, beta_2: float = 0.999,
+                 epsilon: float = 1e-7, weight_decay: float | None = None, clipnorm: float | None = None,
+                 clipvalue: float | None = None, global_clipnorm: float | None = None,
+                 lazy_sparse: bool = True, name: str = "Nadam"):
+        transform = transforms.NadamTransform(_rate(learning_rate), *_betas(beta_1, beta_2),
+                                              _positive(epsilon, "epsilon"), _optional(weight_decay, "weight_decay"))
+        super().__init__(transform, lazy_sparse, name, clipnorm, clipvalue, global_clipnorm)
+
+
+class Lion(Optimizer):
+    """Lion, as ``keras.optimizers.Lion``: steps of size ``learning_rate`` along the sign of a momentum mix.
+
+    As Keras, ``beta_1`` must be in (0, 1] (at 0 it would be sign descent).
+
+    >>> opt = Lion(0.1)
+    >>> opt.update(np.full(1, -3.0, np.float32), opt.init(np.zeros(1, np.float32)), np.zeros(1, np.float32))[0]
+    array([0.1], dtype=float32)
+    """
+
+    def __init__(self, learning_rate: Any = 0.001, beta_1: float = 0.9, beta_2: float = 0.99,
+                 weight_decay: float | None = None, clipnorm: float | None = None, clipvalue: float | None = None,
+                 global_clipnorm: float | None = None, lazy_sparse: bool = True, name: str = "Lion"):
+        transform = transforms.LionTransform(
+            _rate(learning_rate), _unit(beta_1, "beta_1", low_open=True, high_open=False),
+            _unit(beta_2, "beta_2", high_open=False), _optional(weight_decay, "weight_decay"))
+        super().__init__(transform, lazy_sparse, name, clipnorm, clipvalue, global_clipnorm)
+
+
+for _cls in (SGD, Adagrad, Adam, AdamW, RMSprop, Ftrl, Adamax, Nadam, Lion):
+    _cls.__doc__ = (_cls.__doc__ or "").rstrip() + "\n" + _COMMON + "\n    "
