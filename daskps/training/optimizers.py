@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from daskps._core import schedules, transforms, trees
+from daskps._core import clipping, schedules, transforms, trees
 from daskps._core.slices import IndexedSlices
 from daskps._core.updates import check_gradient
 from daskps.distribute import context
@@ -43,30 +43,30 @@ from daskps.ps import protocol, refs
 from daskps.variables import rows
 from daskps.variables.variable import ShardedVariable, Variable, shards_of
 
-__all__ = ["Adagrad", "Adam", "AdamW", "Adamax", "Ftrl", "Lion", "Nadam", "Optimizer", "RMSprop", "SGD"]
+__all__ = ["Optimizer"]
 
 
-def _positive(value: Any, arg: str, allow_zero: bool = False) -> float:
+def check_positive(value: Any, arg: str, allow_zero: bool = False) -> float:
     ok = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
     if not ok or value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"{arg} must be a {'non-negative' if allow_zero else 'positive'} number, got {value!r}")
     return float(value)
 
 
-def _rate(value: Any) -> Any:
+def check_rate(value: Any) -> Any:
     """A learning rate: a positive number, or a schedule (kept as it is, to travel to the servers)."""
     if isinstance(value, schedules.LearningRateSchedule):
         return value
     if not isinstance(value, (int, float, np.floating, np.integer)) or isinstance(value, bool):
         raise ValueError(f"learning_rate must be a positive number or a LearningRateSchedule, got {value!r}")
-    return _positive(value, "learning_rate")
+    return check_positive(value, "learning_rate")
 
 
-def _optional(value: Any, arg: str, allow_zero: bool = True) -> float | None:
-    return None if value is None else _positive(value, arg, allow_zero)
+def check_optional(value: Any, arg: str, allow_zero: bool = True) -> float | None:
+    return None if value is None else check_positive(value, arg, allow_zero)
 
 
-def _unit(value: Any, arg: str, low_open: bool = False, high_open: bool = True) -> float:
+def check_unit(value: Any, arg: str, low_open: bool = False, high_open: bool = True) -> float:
     """A number in [0, 1) (or with other ends open or closed, as ``low_open``/``high_open`` say)."""
     ok = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
     if not ok or value < 0 or (low_open and value == 0) or value > 1 or (high_open and value == 1):
@@ -109,7 +109,7 @@ class Optimizer:
                                    ("global_clipnorm", global_clipnorm)) if v is not None}
         if len(given) > 1:
             raise ValueError(f"only one of clipnorm, clipvalue and global_clipnorm can be set, got {given}")
-        clipping = transforms.Clipping(*(_optional(v, a, allow_zero=False) for a, v in (
+        clip = clipping.Clipping(*(check_optional(v, a, allow_zero=False) for a, v in (
             ("clipnorm", clipnorm), ("clipvalue", clipvalue), ("global_clipnorm", global_clipnorm))))
         mode = context.current_mode()
         strategy: Any = mode.strategy
@@ -117,7 +117,7 @@ class Optimizer:
         if in_scope and getattr(strategy, "_group", None) is None:
             raise RuntimeError("create optimizers on the coordinator, not inside a scheduled function")
         self._transform = transform
-        self._clipping = clipping
+        self._clipping = clip
         self.lazy_sparse = bool(lazy_sparse)
         self.name = name
         self.iterations = Variable(np.int64(0), trainable=False, name=f"{name}/iterations")
@@ -162,7 +162,7 @@ class Optimizer:
                 f"optimizer {self.name!r} was made with a LearningRateSchedule as its learning_rate, so it "
                 f"cannot be set to the number {value!r}; set another schedule, or make the optimizer with a number"
             )
-        self._reconfigure(learning_rate=_rate(value))
+        self._reconfigure(learning_rate=check_rate(value))
 
     @property
     def clipnorm(self) -> float | None:
@@ -291,7 +291,7 @@ class Optimizer:
             transforms.check_trainable(var.dtype, var.name, self.name)
             checked.append((var, *check_gradient(var.shape, var.dtype, var.name, grad)))
         # Clipping sees whole gradients: the servers see only their shards' parts.
-        clipped = transforms.clip_gradients(self._clipping, [(kind, payload) for _, kind, payload in checked])
+        clipped = clipping.clip_gradients(self._clipping, [(kind, payload) for _, kind, payload in checked])
         items: list[tuple[Any, str, Any]] = []
         for (var, _, _), (kind, payload) in zip(checked, clipped):
             items.extend(_split_gradient(var, kind, payload))
@@ -349,215 +349,3 @@ def _split_gradient(var: Any, kind: str, payload: Any) -> list[tuple[Variable, s
     # Every shard gets its part, even an empty one, so that all shards count the
     # same steps and Adam's bias correction does not depend on the sharding.
     return list(zip(var.variables, ["rows"] * len(var.variables), rows.split_rows(var._offsets, *payload)))
-
-
-_COMMON = """
-    Every optimizer also takes Keras 3's ``weight_decay`` (decoupled: before
-    each step the variable is multiplied by ``1 - weight_decay * lr``, with
-    that step's learning rate), ``clipnorm``, ``clipvalue`` and
-    ``global_clipnorm`` (see :class:`Optimizer`), and daskps' ``lazy_sparse``.
-    ``learning_rate`` may be a schedule of
-    :mod:`daskps.optimizers.schedules`, evaluated on the servers at each
-    variable's step (the updates it has had so far)."""
-
-
-class SGD(Optimizer):
-    """Gradient descent, with optional (Nesterov) momentum, as ``keras.optimizers.SGD``.
-
-    >>> opt = SGD(0.1, momentum=0.9)
-    >>> updates, state = opt.update(np.ones(2, np.float32), opt.init(np.zeros(2, np.float32)), np.zeros(2, np.float32))
-    >>> updates, state.momentum
-    (array([-0.1, -0.1], dtype=float32), array([-0.1, -0.1], dtype=float32))
-    """
-
-    def __init__(self, learning_rate: Any = 0.01, momentum: float = 0.0, nesterov: bool = False,
-                 weight_decay: float | None = None, clipnorm: float | None = None, clipvalue: float | None = None,
-                 global_clipnorm: float | None = None, lazy_sparse: bool = True, name: str = "SGD"):
-        momentum = _positive(momentum, "momentum", allow_zero=True)
-        if momentum > 1:
-            raise ValueError(f"momentum must be in [0, 1], got {momentum!r}")
-        transform = transforms.SGDTransform(_rate(learning_rate), momentum, bool(nesterov),
-                                            _optional(weight_decay, "weight_decay"))
-        super().__init__(transform, lazy_sparse, name, clipnorm, clipvalue, global_clipnorm)
-
-
-class Adagrad(Optimizer):
-    """Adagrad, as ``keras.optimizers.Adagrad``: ``p -= lr * g / sqrt(acc + epsilon)``.
-
-    >>> opt = Adagrad(0.1, initial_accumulator_value=0.0)
-    >>> opt.update(np.ones(1, np.float32), opt.init(np.zeros(1, np.float32)), np.zeros(1, np.float32))[0]
-    array([-0.1], dtype=float32)
-    """
-
-    def __init__(self, learning_rate: Any = 0.001, initial_accumulator_value: float = 0.1,
-                 epsilon: float = 1e-7, weight_decay: float | None = None, clipnorm: float | None = None,
-                 clipvalue: float | None = None, global_clipnorm: float | None = None,
-                 lazy_sparse: bool = True, name: str = "Adagrad"):
-        transform = transforms.AdagradTransform(
-            _rate(learning_rate),
-            _positive(initial_accumulator_value, "initial_accumulator_value", True),
-            _positive(epsilon, "epsilon"),
-            _optional(weight_decay, "weight_decay"),
-        )
-        super().__init__(transform, lazy_sparse, name, clipnorm, clipvalue, global_clipnorm)
-
-
-def _betas(beta_1: Any, beta_2: Any) -> tuple[float, float]:
-    return _unit(beta_1, "beta_1"), _unit(beta_2, "beta_2")
-
-
-class Adam(Optimizer):
-    """Adam, as ``keras.optimizers.Adam`` (``amsgrad`` included).
-
-    The bias correction uses the number of updates the variable has had,
-    which equals Keras' ``iterations + 1`` when every step updates it.
-
-    >>> opt = Adam(0.1)
-    >>> opt.update(np.ones(1, np.float32), opt.init(np.zeros(1, np.float32)), np.zeros(1, np.float32))[0].round(4)
-    array([-0.1], dtype=float32)
-    """
-
-    def __init__(self, learning_rate: Any = 0.001, beta_1: float = 0.9, beta_2: float = 0.999,
-                 epsilon: float = 1e-7, amsgrad: bool = False, weight_decay: float | None = None,
-                 clipnorm: float | None = None, clipvalue: float | None = None,
-                 global_clipnorm: float | None = None, lazy_sparse: bool = True, name: str = "Adam"):
-        transform = transforms.AdamTransform(_rate(learning_rate), *_betas(beta_1, beta_2),
-                                             _positive(epsilon, "epsilon"), bool(amsgrad),
-                                             _optional(weight_decay, "weight_decay"))
-        super().__init__(transform, lazy_sparse, name, clipnorm, clipvalue, global_clipnorm)
-
-
-class AdamW(Adam):
-    """Adam with decoupled weight decay, as ``keras.optimizers.AdamW`` (``weight_decay`` 0.004 unless given).
-
-    >>> opt = AdamW(0.1, weight_decay=0.5)
-    >>> opt.update(np.zeros(1, np.float32), opt.init(np.ones(1, np.float32)), np.ones(1, np.float32))[0].round(4)
-    array([-0.05], dtype=float32)
-    """
-
-    def __init__(self, learning_rate: Any = 0.001, weight_decay: float = 0.004, beta_1: float = 0.9,
-                 beta_2: float = 0.999, epsilon: float = 1e-7, amsgrad: bool = False,
-                 clipnorm: float | None = None, clipvalue: float | None = None,
-                 global_clipnorm: float | None = None, lazy_sparse: bool = True, name: str = "AdamW"):
-        if weight_decay is None:
-            raise ValueError("weight_decay must be a non-negative number for AdamW, got None (use Adam for none)")
-        super().__init__(learning_rate, beta_1, beta_2, epsilon, amsgrad, weight_decay, clipnorm, clipvalue,
-                         global_clipnorm, lazy_sparse, name)
-
-
-class RMSprop(Optimizer):
-    """RMSprop, as ``keras.optimizers.RMSprop``: steps divided by a moving root mean square of the gradients.
-
-    ``rho`` is the moving average's decay; ``momentum > 0`` accumulates the
-    steps; ``centered`` divides by an estimate of the gradients' variance
-    instead (the moving mean's square subtracted).
-
-    >>> opt = RMSprop(0.1, rho=0.0)
-    >>> opt.update(np.full(1, 2.0, np.float32), opt.init(np.zeros(1, np.float32)), np.zeros(1, np.float32))[0]
-    array([-0.1], dtype=float32)
-    """
-
-    def __init__(self, learning_rate: Any = 0.001, rho: float = 0.9, momentum: float = 0.0, epsilon: float = 1e-7,
-                 centered: bool = False, weight_decay: float | None = None, clipnorm: float | None = None,
-                 clipvalue: float | None = None, global_clipnorm: float | None = None,
-                 lazy_sparse: bool = True, name: str = "RMSprop"):
-        transform = transforms.RMSpropTransform(
-            _rate(learning_rate), _unit(rho, "rho", high_open=False), _positive(momentum, "momentum", True),
-            _positive(epsilon, "epsilon", True), bool(centered), _optional(weight_decay, "weight_decay"))
-        super().__init__(transform, lazy_sparse, name, clipnorm, clipvalue, global_clipnorm)
-
-
-class Ftrl(Optimizer):
-    """Follow The Regularized Leader, as ``keras.optimizers.Ftrl``.
-
-    Arguments and their checks are Keras': ``learning_rate_power <= 0``;
-    the accumulator's start and the three regularisation strengths >= 0;
-    ``beta`` adds ``beta / (2 * lr)`` to the L2 strength.
-
-    >>> opt = Ftrl(0.1, l1_regularization_strength=1.0)
-    >>> opt.update(np.full(1, 0.5, np.float32), opt.init(np.zeros(1, np.float32)), np.zeros(1, np.float32))[0]
-    array([0.], dtype=float32)
-    """
-
-    def __init__(self, learning_rate: Any = 0.001, learning_rate_power: float = -0.5,
-                 initial_accumulator_value: float = 0.1, l1_regularization_strength: float = 0.0,
-                 l2_regularization_strength: float = 0.0, l2_shrinkage_regularization_strength: float = 0.0,
-                 beta: float = 0.0, weight_decay: float | None = None, clipnorm: float | None = None,
-                 clipvalue: float | None = None, global_clipnorm: float | None = None,
-                 lazy_sparse: bool = True, name: str = "Ftrl"):
-        ok = isinstance(learning_rate_power, (int, float, np.floating, np.integer)) and not isinstance(
-            learning_rate_power, bool)
-        if not ok or learning_rate_power > 0:
-            raise ValueError(f"learning_rate_power must be a number <= 0, got {learning_rate_power!r}")
-        transform = transforms.FtrlTransform(
-            _rate(learning_rate), float(learning_rate_power),
-            _positive(initial_accumulator_value, "initial_accumulator_value", True),
-            _positive(l1_regularization_strength, "l1_regularization_strength", True),
-            _positive(l2_regularization_strength, "l2_regularization_strength", True),
-            _positive(l2_shrinkage_regularization_strength, "l2_shrinkage_regularization_strength", True),
-            _positive(beta, "beta", True), _optional(weight_decay, "weight_decay"))
-        super().__init__(transform, lazy_sparse, name, clipnorm, clipvalue, global_clipnorm)
-
-
-class Adamax(Optimizer):
-    """Adamax, as ``keras.optimizers.Adamax``: Adam with an infinity norm of the gradients in place of ``v``.
-
-    >>> opt = Adamax(0.1)
-    >>> opt.update(np.ones(1, np.float32), opt.init(np.zeros(1, np.float32)), np.zeros(1, np.float32))[0].round(4)
-    array([-0.1], dtype=float32)
-    """
-
-    def __init__(self, learning_rate: Any = 0.001, beta_1: float = 0.9, beta_2: float = 0.999,
-                 epsilon: float = 1e-7, weight_decay: float | None = None, clipnorm: float | None = None,
-                 clipvalue: float | None = None, global_clipnorm: float | None = None,
-                 lazy_sparse: bool = True, name: str = "Adamax"):
-        transform = transforms.AdamaxTransform(_rate(learning_rate), *_betas(beta_1, beta_2),
-                                               _positive(epsilon, "epsilon"), _optional(weight_decay, "weight_decay"))
-        super().__init__(transform, lazy_sparse, name, clipnorm, clipvalue, global_clipnorm)
-
-
-class Nadam(Optimizer):
-    """Nadam (Adam with Nesterov momentum), as ``keras.optimizers.Nadam``.
-
-    Keras keeps a running product of momentum-decay terms (``u_product``),
-    multiplied once per step. Here it is computed from each variable's (or
-    shard's) own step count, which lives in its state on its server, so
-    sharding, checkpoints and re-created servers need nothing more; it is
-    Keras' product when every step updates every variable.
-
-    >>> opt = Nadam(0.1)
-    >>> updates, state = opt.update(np.ones(1, np.float32), opt.init(np.zeros(1, np.float32)), np.zeros(1, np.float32))
-    >>> state.count, bool(updates[0] < 0)
-    (1, True)
-    """
-
-    def __init__(self, learning_rate: Any = 0.001, beta_1: float = 0.9, beta_2: float = 0.999,
-                 epsilon: float = 1e-7, weight_decay: float | None = None, clipnorm: float | None = None,
-                 clipvalue: float | None = None, global_clipnorm: float | None = None,
-                 lazy_sparse: bool = True, name: str = "Nadam"):
-        transform = transforms.NadamTransform(_rate(learning_rate), *_betas(beta_1, beta_2),
-                                              _positive(epsilon, "epsilon"), _optional(weight_decay, "weight_decay"))
-        super().__init__(transform, lazy_sparse, name, clipnorm, clipvalue, global_clipnorm)
-
-
-class Lion(Optimizer):
-    """Lion, as ``keras.optimizers.Lion``: steps of size ``learning_rate`` along the sign of a momentum mix.
-
-    As Keras, ``beta_1`` must be in (0, 1] (at 0 it would be sign descent).
-
-    >>> opt = Lion(0.1)
-    >>> opt.update(np.full(1, -3.0, np.float32), opt.init(np.zeros(1, np.float32)), np.zeros(1, np.float32))[0]
-    array([0.1], dtype=float32)
-    """
-
-    def __init__(self, learning_rate: Any = 0.001, beta_1: float = 0.9, beta_2: float = 0.99,
-                 weight_decay: float | None = None, clipnorm: float | None = None, clipvalue: float | None = None,
-                 global_clipnorm: float | None = None, lazy_sparse: bool = True, name: str = "Lion"):
-        transform = transforms.LionTransform(
-            _rate(learning_rate), _unit(beta_1, "beta_1", low_open=True, high_open=False),
-            _unit(beta_2, "beta_2", high_open=False), _optional(weight_decay, "weight_decay"))
-        super().__init__(transform, lazy_sparse, name, clipnorm, clipvalue, global_clipnorm)
-
-
-for _cls in (SGD, Adagrad, Adam, AdamW, RMSprop, Ftrl, Adamax, Nadam, Lion):
-    _cls.__doc__ = (_cls.__doc__ or "").rstrip() + "\n" + _COMMON + "\n    "
