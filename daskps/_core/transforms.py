@@ -14,6 +14,11 @@ the same ``update`` runs on a whole array or on the rows an ``IndexedSlices``
 gradient names. A parameter server is sent each transform once and keeps
 every state beside its variable. The numbers are Keras 3's.
 
+Every transform also has Keras 3's ``weight_decay`` (decoupled, applied
+first, with the step's learning rate: :func:`rate_and_decay`), and its
+``learning_rate`` may be a schedule, called with ``state.count`` (the
+updates before this one) on the server: :func:`learning_rate_at`.
+
 >>> sgd = SGDTransform(learning_rate=0.1, momentum=0.9)
 >>> param = np.zeros(2, np.float32)
 >>> updates, state = sgd.update(np.ones(2, np.float32), sgd.init(param), param)

@@ -22,13 +22,19 @@ __all__ = ["Adagrad", "Adam", "AdamW", "Adamax", "Ftrl", "Lion", "Nadam", "RMSpr
 
 
 _COMMON = """
-    Every optimizer also takes Keras 3's ``weight_decay`` (decoupled: before
-    each step the variable is multiplied by ``1 - weight_decay * lr``, with
-    that step's learning rate), ``clipnorm``, ``clipvalue`` and
-    ``global_clipnorm`` (see :class:`Optimizer`), and daskps' ``lazy_sparse``.
-    ``learning_rate`` may be a schedule of
-    :mod:`daskps.optimizers.schedules`, evaluated on the servers at each
-    variable's step (the updates it has had so far)."""
+    Other Parameters
+    ----------------
+    learning_rate : float or LearningRateSchedule
+        A schedule of :mod:`daskps.optimizers.schedules` is evaluated on the
+        servers at each variable's step (the updates it has had so far).
+    weight_decay : float, optional
+        Decoupled, as Keras 3: before each step the variable is multiplied by
+        ``1 - weight_decay * lr``, with that step's learning rate.
+    clipnorm, clipvalue, global_clipnorm : float, optional
+        Gradient clipping, on the trainer (see :class:`Optimizer`).
+    lazy_sparse : bool
+        Row-local updates for ``IndexedSlices`` gradients (see :class:`Optimizer`).
+    name : str"""
 
 
 class SGD(Optimizer):
@@ -229,5 +235,6 @@ class Lion(Optimizer):
         super().__init__(transform, lazy_sparse, name, clipnorm, clipvalue, global_clipnorm)
 
 
+# The arguments every optimizer shares are described once, and shown by help() on each.
 for _cls in (SGD, Adagrad, Adam, AdamW, RMSprop, Ftrl, Adamax, Nadam, Lion):
     _cls.__doc__ = (_cls.__doc__ or "").rstrip() + "\n" + _COMMON + "\n    "
