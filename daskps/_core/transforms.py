@@ -14,6 +14,11 @@ the same ``update`` runs on a whole array or on the rows an ``IndexedSlices``
 gradient names. A parameter server is sent each transform once and keeps
 every state beside its variable. The numbers are Keras 3's.
 
+Every transform also has Keras 3's ``weight_decay`` (decoupled, applied
+first, with the step's learning rate: :func:`rate_and_decay`), and its
+``learning_rate`` may be a schedule, called with ``state.count`` (the
+updates before this one) on the server: :func:`learning_rate_at`.
+
 >>> sgd = SGDTransform(learning_rate=0.1, momentum=0.9)
 >>> param = np.zeros(2, np.float32)
 >>> updates, state = sgd.update(np.ones(2, np.float32), sgd.init(param), param)
@@ -23,6 +28,7 @@ every state beside its variable. The numbers are Keras 3's.
 
 from __future__ import annotations
 
+import re
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -36,6 +42,34 @@ class Transform(Protocol):
     def update(self, grad: np.ndarray, state: Any, param: np.ndarray) -> tuple[np.ndarray, Any]: ...
 
 
+def learning_rate_at(learning_rate: Any, step: int) -> float:
+    """A fixed ``learning_rate``, or a schedule's value at ``step`` (the updates the variable has had so far).
+
+    >>> learning_rate_at(0.5, 3), learning_rate_at(lambda step: 1 / (step + 1), 3)
+    (0.5, 0.25)
+    """
+    return float(learning_rate(step)) if callable(learning_rate) else float(learning_rate)
+
+
+def rate_and_decay(transform: Any, count: int, param: np.ndarray) -> tuple[Any, np.ndarray]:
+    """This step's learning rate (in ``param``'s dtype) and ``param`` after decoupled weight decay.
+
+    Keras 3 shrinks the variable first, ``p - p * weight_decay * lr``, and
+    then computes the optimizer's step from the shrunk variable. Without
+    ``weight_decay`` the parameter itself comes back (no copy).
+    """
+    t = param.dtype.type
+    lr = t(learning_rate_at(transform.learning_rate, count))
+    if transform.weight_decay is None:
+        return lr, param
+    return lr, param - param * t(transform.weight_decay) * lr
+
+
+def with_decay(param: np.ndarray, decayed: np.ndarray, update: np.ndarray) -> np.ndarray:
+    """The whole change to ``param``: the weight decay (if any) and then ``update``."""
+    return update if decayed is param else (decayed - param) + update
+
+
 class SGDState(NamedTuple):
     count: int = 0  # type: ignore[assignment]  # optax's name; shadows tuple.count
     momentum: np.ndarray | None = None
@@ -44,20 +78,23 @@ class SGDState(NamedTuple):
 class SGDTransform(NamedTuple):
     """Gradient descent with optional (Nesterov) momentum, as ``keras.optimizers.SGD``."""
 
-    learning_rate: float = 0.01
+    learning_rate: Any = 0.01
     momentum: float = 0.0
     nesterov: bool = False
+    weight_decay: float | None = None
+    decay_exempt: DecayExempt | None = None
 
     def init(self, param: np.ndarray) -> SGDState:
         return SGDState(0, np.zeros_like(param) if self.momentum else None)
 
     def update(self, grad: np.ndarray, state: SGDState, param: np.ndarray) -> tuple[np.ndarray, SGDState]:
         t = param.dtype.type
-        lr, mu = t(self.learning_rate), t(self.momentum)
+        lr, decayed = rate_and_decay(self, state.count, param)
+        mu = t(self.momentum)
         if state.momentum is None:
-            return grad * -lr, SGDState(state.count + 1)  # (equal to -(grad * lr): one array less)
+            return with_decay(param, decayed, grad * -lr), SGDState(state.count + 1)  # (-(grad * lr), one array less)
         m = state.momentum * mu - grad * lr
-        return (m * mu - grad * lr if self.nesterov else m), SGDState(state.count + 1, m)
+        return with_decay(param, decayed, m * mu - grad * lr if self.nesterov else m), SGDState(state.count + 1, m)
 
 
 class AdagradState(NamedTuple):
@@ -68,17 +105,21 @@ class AdagradState(NamedTuple):
 class AdagradTransform(NamedTuple):
     """Adagrad, as ``keras.optimizers.Adagrad``: ``p -= lr * g / sqrt(acc + epsilon)``."""
 
-    learning_rate: float = 0.001
+    learning_rate: Any = 0.001
     initial_accumulator_value: float = 0.1
     epsilon: float = 1e-7
+    weight_decay: float | None = None
+    decay_exempt: DecayExempt | None = None
 
     def init(self, param: np.ndarray) -> AdagradState:
         return AdagradState(0, np.full_like(param, self.initial_accumulator_value))
 
     def update(self, grad: np.ndarray, state: AdagradState, param: np.ndarray) -> tuple[np.ndarray, AdagradState]:
         t = param.dtype.type
+        lr, decayed = rate_and_decay(self, state.count, param)
         acc = state.accumulator + np.square(grad)
-        return -(t(self.learning_rate) * grad / np.sqrt(acc + t(self.epsilon))), AdagradState(state.count + 1, acc)
+        step = -(lr * grad / np.sqrt(acc + t(self.epsilon)))
+        return with_decay(param, decayed, step), AdagradState(state.count + 1, acc)
 
 
 class AdamState(NamedTuple):
@@ -95,11 +136,13 @@ class AdamTransform(NamedTuple):
     which equals Keras' ``iterations + 1`` when every step updates it.
     """
 
-    learning_rate: float = 0.001
+    learning_rate: Any = 0.001
     beta_1: float = 0.9
     beta_2: float = 0.999
     epsilon: float = 1e-7
     amsgrad: bool = False
+    weight_decay: float | None = None
+    decay_exempt: DecayExempt | None = None
 
     def init(self, param: np.ndarray) -> AdamState:
         zeros = np.zeros_like
@@ -107,14 +150,233 @@ class AdamTransform(NamedTuple):
 
     def update(self, grad: np.ndarray, state: AdamState, param: np.ndarray) -> tuple[np.ndarray, AdamState]:
         t = param.dtype.type
+        lr, decayed = rate_and_decay(self, state.count, param)
         step = state.count + 1
         b1, b2 = t(self.beta_1), t(self.beta_2)
-        alpha = t(self.learning_rate) * np.sqrt(1 - b2 ** t(step)) / (1 - b1 ** t(step))
-        m = state.m + (grad - state.m) * (1 - b1)
-        v = state.v + (np.square(grad) - state.v) * (1 - b2)
+        alpha = lr * np.sqrt(1 - b2 ** t(step)) / (1 - b1 ** t(step))
+        # Keras rounds 1 - beta once (from the Python float) for the moments, and uses the rounded beta's powers.
+        m = state.m + (grad - state.m) * t(1 - self.beta_1)
+        v = state.v + (np.square(grad) - state.v) * t(1 - self.beta_2)
         v_hat = np.maximum(state.v_hat, v) if self.amsgrad else None  # type: ignore[arg-type]
         denom = v if v_hat is None else v_hat
-        return -(m * alpha / (np.sqrt(denom) + t(self.epsilon))), AdamState(step, m, v, v_hat)
+        update = -(m * alpha / (np.sqrt(denom) + t(self.epsilon)))
+        return with_decay(param, decayed, update), AdamState(step, m, v, v_hat)
+
+
+class RMSpropState(NamedTuple):
+    count: int = 0  # type: ignore[assignment]  # optax's name; shadows tuple.count
+    velocity: np.ndarray | None = None
+    momentum: np.ndarray | None = None
+    average_gradient: np.ndarray | None = None
+
+
+class RMSpropTransform(NamedTuple):
+    """RMSprop, as ``keras.optimizers.RMSprop``: steps scaled by a moving root mean square of the gradients.
+
+    ``centered`` subtracts the square of the moving mean of the gradients
+    (an estimate of their variance); ``momentum > 0`` accumulates the steps.
+    """
+
+    learning_rate: Any = 0.001
+    rho: float = 0.9
+    momentum: float = 0.0
+    epsilon: float = 1e-7
+    centered: bool = False
+    weight_decay: float | None = None
+    decay_exempt: DecayExempt | None = None
+
+    def init(self, param: np.ndarray) -> RMSpropState:
+        zeros = np.zeros_like
+        return RMSpropState(0, zeros(param), zeros(param) if self.momentum > 0 else None,
+                            zeros(param) if self.centered else None)
+
+    def update(self, grad: np.ndarray, state: RMSpropState, param: np.ndarray) -> tuple[np.ndarray, RMSpropState]:
+        t = param.dtype.type
+        lr, decayed = rate_and_decay(self, state.count, param)
+        rho, keep, eps = t(self.rho), t(1 - self.rho), t(self.epsilon)
+        velocity = rho * state.velocity + keep * np.square(grad)
+        average = None
+        if state.average_gradient is not None:
+            average = rho * state.average_gradient + keep * grad
+            denominator = velocity - np.square(average) + eps
+        else:
+            denominator = velocity + eps
+        increment = lr * grad / np.sqrt(denominator)
+        momentum = None if state.momentum is None else t(self.momentum) * state.momentum + increment
+        step = -(increment if momentum is None else momentum)
+        return with_decay(param, decayed, step), RMSpropState(state.count + 1, velocity, momentum, average)
+
+
+class FtrlState(NamedTuple):
+    count: int = 0  # type: ignore[assignment]  # optax's name; shadows tuple.count
+    accumulator: np.ndarray | None = None
+    linear: np.ndarray | None = None
+
+
+class FtrlTransform(NamedTuple):
+    """Follow The Regularized Leader, as ``keras.optimizers.Ftrl`` (its L1, L2, L2-shrinkage and ``beta``).
+
+    The new value is computed from the accumulated ``linear`` term, not
+    added to the old one; the update returned is the difference.
+    """
+
+    learning_rate: Any = 0.001
+    learning_rate_power: float = -0.5
+    initial_accumulator_value: float = 0.1
+    l1_regularization_strength: float = 0.0
+    l2_regularization_strength: float = 0.0
+    l2_shrinkage_regularization_strength: float = 0.0
+    beta: float = 0.0
+    weight_decay: float | None = None
+    decay_exempt: DecayExempt | None = None
+
+    def init(self, param: np.ndarray) -> FtrlState:
+        return FtrlState(0, np.full_like(param, self.initial_accumulator_value), np.zeros_like(param))
+
+    def update(self, grad: np.ndarray, state: FtrlState, param: np.ndarray) -> tuple[np.ndarray, FtrlState]:
+        t = param.dtype.type
+        lr, p = rate_and_decay(self, state.count, param)
+        power = t(-self.learning_rate_power)
+        l1 = t(self.l1_regularization_strength)
+        l2 = t(self.l2_regularization_strength) + t(self.beta) / (t(2) * lr)
+        shrunk_grad = grad + t(2 * self.l2_shrinkage_regularization_strength) * p
+        accumulator = state.accumulator + np.square(grad)
+        grown = np.power(accumulator, power)
+        linear = state.linear + (shrunk_grad - (grown - np.power(state.accumulator, power)) / lr * p)  # type: ignore[arg-type]
+        quadratic = grown / lr + t(2) * l2
+        new = (np.clip(linear, -l1, l1) - linear) / quadratic
+        return new - param, FtrlState(state.count + 1, accumulator, linear)
+
+
+class AdamaxState(NamedTuple):
+    count: int = 0  # type: ignore[assignment]  # optax's name; shadows tuple.count
+    m: np.ndarray | None = None
+    u: np.ndarray | None = None
+
+
+class AdamaxTransform(NamedTuple):
+    """Adamax, as ``keras.optimizers.Adamax``: Adam with the infinity norm in place of ``v``."""
+
+    learning_rate: Any = 0.001
+    beta_1: float = 0.9
+    beta_2: float = 0.999
+    epsilon: float = 1e-7
+    weight_decay: float | None = None
+    decay_exempt: DecayExempt | None = None
+
+    def init(self, param: np.ndarray) -> AdamaxState:
+        return AdamaxState(0, np.zeros_like(param), np.zeros_like(param))
+
+    def update(self, grad: np.ndarray, state: AdamaxState, param: np.ndarray) -> tuple[np.ndarray, AdamaxState]:
+        t = param.dtype.type
+        lr, decayed = rate_and_decay(self, state.count, param)
+        step = state.count + 1
+        b1, b2 = t(self.beta_1), t(self.beta_2)
+        m = state.m + (grad - state.m) * t(1 - self.beta_1)
+        u = np.maximum(b2 * state.u, np.abs(grad))
+        update = -(lr * m / ((1 - b1 ** t(step)) * (u + t(self.epsilon))))
+        return with_decay(param, decayed, update), AdamaxState(step, m, u)
+
+
+class NadamState(NamedTuple):
+    count: int = 0  # type: ignore[assignment]  # optax's name; shadows tuple.count
+    m: np.ndarray | None = None
+    v: np.ndarray | None = None
+
+
+def nadam_momentum_product(beta_1: float, steps: int) -> float:
+    """The product of Nadam's momentum terms ``beta_1 * (1 - 0.5 * 0.96 ** i)`` for ``i = 1 .. steps``.
+
+    Keras keeps this product in a variable (``u_product``) that it multiplies
+    once per step. Here it is a function of the variable's own step count,
+    so a shard, a restored checkpoint or a re-created server needs nothing
+    more than ``count``. Beyond ~900 terms ``0.96 ** i`` is below float64's
+    resolution next to 1, so at most that many are multiplied.
+
+    >>> round(nadam_momentum_product(0.9, 2), 6) == round(0.9 * 0.52 * 0.9 * (1 - 0.5 * 0.96**2), 6)
+    True
+    """
+    i = np.arange(1, min(steps, 1000) + 1, dtype=np.float64)
+    return float(beta_1 ** steps * np.prod(1 - 0.5 * 0.96**i))
+
+
+class NadamTransform(NamedTuple):
+    """Nadam (Adam with Nesterov momentum), as ``keras.optimizers.Nadam``.
+
+    Keras' ``u_product`` (a product of momentum-decay terms, one per step) is
+    computed from the variable's own step count by
+    :func:`nadam_momentum_product`; it equals Keras' when every step updates
+    every variable.
+    """
+
+    learning_rate: Any = 0.001
+    beta_1: float = 0.9
+    beta_2: float = 0.999
+    epsilon: float = 1e-7
+    weight_decay: float | None = None
+    decay_exempt: DecayExempt | None = None
+
+    def init(self, param: np.ndarray) -> NadamState:
+        return NadamState(0, np.zeros_like(param), np.zeros_like(param))
+
+    def update(self, grad: np.ndarray, state: NadamState, param: np.ndarray) -> tuple[np.ndarray, NadamState]:
+        t = param.dtype.type
+        lr, decayed = rate_and_decay(self, state.count, param)
+        step = state.count + 1
+        b1, b2, decay = t(self.beta_1), t(self.beta_2), t(0.96)
+        u_now = b1 * (t(1) - t(0.5) * decay ** t(step))
+        u_next = b1 * (t(1) - t(0.5) * decay ** t(step + 1))
+        product = t(nadam_momentum_product(self.beta_1, step))
+        m = state.m + (grad - state.m) * (1 - b1)
+        v = state.v + (np.square(grad) - state.v) * (1 - b2)
+        m_hat = u_next * m / (1 - product * u_next) + (1 - u_now) * grad / (1 - product)
+        v_hat = v / (1 - b2 ** t(step))
+        update = -(m_hat * lr / (np.sqrt(v_hat) + t(self.epsilon)))
+        return with_decay(param, decayed, update), NadamState(step, m, v)
+
+
+class LionState(NamedTuple):
+    count: int = 0  # type: ignore[assignment]  # optax's name; shadows tuple.count
+    m: np.ndarray | None = None
+
+
+class LionTransform(NamedTuple):
+    """Lion, as ``keras.optimizers.Lion``: steps of size ``learning_rate`` along the sign of a momentum mix."""
+
+    learning_rate: Any = 0.001
+    beta_1: float = 0.9
+    beta_2: float = 0.99
+    weight_decay: float | None = None
+    decay_exempt: DecayExempt | None = None
+
+    def init(self, param: np.ndarray) -> LionState:
+        return LionState(0, np.zeros_like(param))
+
+    def update(self, grad: np.ndarray, state: LionState, param: np.ndarray) -> tuple[np.ndarray, LionState]:
+        t = param.dtype.type
+        lr, decayed = rate_and_decay(self, state.count, param)
+        b1, b2 = t(self.beta_1), t(self.beta_2)
+        update = -(lr * np.sign(state.m * b1 + grad * (t(1) - b1)))
+        m = state.m * b2 + grad * (t(1) - b2)
+        return with_decay(param, decayed, update), LionState(state.count + 1, m)
+
+
+class DecayExempt(NamedTuple):
+    """Variables that ``weight_decay`` leaves alone: by server key, or by a pattern searched in the name."""
+
+    keys: frozenset = frozenset()
+    pattern: str | None = None
+
+    def covers(self, key: str, name: str) -> bool:
+        return key in self.keys or (self.pattern is not None and re.search(self.pattern, name) is not None)
+
+
+def for_variable(transform: Any, key: str, name: str) -> Any:
+    """``transform`` as it applies to variable ``key`` called ``name``: without weight decay if exempt."""
+    exempt = getattr(transform, "decay_exempt", None)
+    if exempt is not None and transform.weight_decay is not None and exempt.covers(key, name):
+        return transform._replace(weight_decay=None)
+    return transform
 
 
 # -- state as arrays, for checkpoints and row-local updates -------------------------------

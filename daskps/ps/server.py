@@ -273,7 +273,8 @@ class ParameterServer:
             self._get(bump)
         slots = self._slots[opt_key]
         for key, arr, kind, payload in checked:
-            slots[key] = transforms.apply_gradient(transform, arr, slots.get(key), kind, payload, lazy)
+            here = transforms.for_variable(transform, key, self._names[key])  # exclude_from_weight_decay
+            slots[key] = transforms.apply_gradient(here, arr, slots.get(key), kind, payload, lazy)
         if bump is not None:
             self._values[bump] += 1
         self.updates += len(checked)

@@ -9,7 +9,13 @@ by server and sends each server one call; the server keeps the state next
 to the variable (or shard) and applies the update there. ``iterations``
 lives on a server too and is bumped within one of those calls.
 
-The arithmetic is Keras 3's for optimizers of the same name and arguments.
+The arithmetic is Keras 3's for optimizers of the same name and arguments,
+``weight_decay`` (decoupled, applied before the step with that step's
+learning rate), gradient clipping and learning-rate schedules included.
+Clipping runs here, on the trainer, before a gradient is split into
+shards; everything else runs on the servers. A variable's step (for
+schedules and bias corrections) is the number of updates it has had, kept
+in its state: Keras' ``iterations`` when every step updates every variable.
 
 >>> import daskps as dps
 >>> w = dps.Variable([1.0, 2.0])
@@ -29,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from daskps._core import transforms, trees
+from daskps._core import clipping, schedules, transforms, trees
 from daskps._core.slices import IndexedSlices
 from daskps._core.updates import check_gradient
 from daskps.distribute import context
@@ -37,13 +43,34 @@ from daskps.ps import protocol, refs
 from daskps.variables import rows
 from daskps.variables.variable import ShardedVariable, Variable, shards_of
 
-__all__ = ["SGD", "Adagrad", "Adam", "Optimizer"]
+__all__ = ["Optimizer"]
 
 
-def _positive(value: Any, arg: str, allow_zero: bool = False) -> float:
+def check_positive(value: Any, arg: str, allow_zero: bool = False) -> float:
     ok = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
     if not ok or value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"{arg} must be a {'non-negative' if allow_zero else 'positive'} number, got {value!r}")
+    return float(value)
+
+
+def check_rate(value: Any) -> Any:
+    """A learning rate: a positive number, or a schedule (kept as it is, to travel to the servers)."""
+    if isinstance(value, schedules.LearningRateSchedule):
+        return value
+    if not isinstance(value, (int, float, np.floating, np.integer)) or isinstance(value, bool):
+        raise ValueError(f"learning_rate must be a positive number or a LearningRateSchedule, got {value!r}")
+    return check_positive(value, "learning_rate")
+
+
+def check_optional(value: Any, arg: str, allow_zero: bool = True) -> float | None:
+    return None if value is None else check_positive(value, arg, allow_zero)
+
+
+def check_unit(value: Any, arg: str, low_open: bool = False, high_open: bool = True) -> float:
+    """A number in [0, 1) (or with other ends open or closed, as ``low_open``/``high_open`` say)."""
+    ok = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
+    if not ok or value < 0 or (low_open and value == 0) or value > 1 or (high_open and value == 1):
+        raise ValueError(f"{arg} must be in {'(' if low_open else '['}0, 1{')' if high_open else ']'}, got {value!r}")
     return float(value)
 
 
@@ -58,19 +85,39 @@ class Optimizer:
         (their slot rows too): the usual choice for embeddings, as
         TensorFlow Addons' ``LazyAdam``. ``False`` turns the gradient into a
         dense one (repeated rows summed) and updates every row, as Keras does.
+        Weight decay follows the same choice: with ``lazy_sparse`` only the
+        named rows decay.
     name : str
+    clipnorm, clipvalue, global_clipnorm : float, optional
+        Gradient clipping, at most one of them (as Keras): each gradient to
+        an L2 norm of at most ``clipnorm``; each value to
+        ``[-clipvalue, clipvalue]``; or all gradients of one
+        :meth:`apply`/:meth:`apply_gradients` call together to a global norm
+        of at most ``global_clipnorm``. Clipping runs on the trainer, before
+        a gradient is split into shards, so norms are over whole variables.
+        The norm of an ``IndexedSlices`` gradient is that of its values as
+        given (repeated rows not summed first), as TensorFlow computes it.
 
     Create optimizers inside ``strategy.scope()``, so that ``iterations``
     lives on a parameter server and every trainer counts into it.
     """
 
-    def __init__(self, transform: Any, lazy_sparse: bool = True, name: str = "Optimizer"):
+    def __init__(self, transform: Any, lazy_sparse: bool = True, name: str = "Optimizer",
+                 clipnorm: float | None = None, clipvalue: float | None = None,
+                 global_clipnorm: float | None = None):
+        given = {k: v for k, v in (("clipnorm", clipnorm), ("clipvalue", clipvalue),
+                                   ("global_clipnorm", global_clipnorm)) if v is not None}
+        if len(given) > 1:
+            raise ValueError(f"only one of clipnorm, clipvalue and global_clipnorm can be set, got {given}")
+        clip = clipping.Clipping(*(check_optional(v, a, allow_zero=False) for a, v in (
+            ("clipnorm", clipnorm), ("clipvalue", clipvalue), ("global_clipnorm", global_clipnorm))))
         mode = context.current_mode()
         strategy: Any = mode.strategy
         in_scope = getattr(strategy, "_variable_creator", None) is not None and mode.replica_context is None
         if in_scope and getattr(strategy, "_group", None) is None:
             raise RuntimeError("create optimizers on the coordinator, not inside a scheduled function")
         self._transform = transform
+        self._clipping = clip
         self.lazy_sparse = bool(lazy_sparse)
         self.name = name
         self.iterations = Variable(np.int64(0), trainable=False, name=f"{name}/iterations")
@@ -91,17 +138,59 @@ class Optimizer:
     def __reduce__(self) -> Any:
         remote = [r for r in self._refs if not r.server.is_local]  # this process's own server stays here
         return (_rebuild, (type(self), self._transform, self.lazy_sparse, self.name, self.iterations,
-                           self._key, remote))
+                           self._key, remote, self._clipping))
 
     # -- hyperparameters --------------------------------------------------------
     @property
     def learning_rate(self) -> float:
-        return self._transform.learning_rate
+        """The learning rate; with a schedule, its value at ``iterations`` (read from its server), as Keras.
+
+        Setting it changes it on every server (one call each); slots are
+        kept. A schedule may replace a number or a schedule; a number may not
+        replace a schedule (Keras refuses that too).
+        """
+        rate = self._transform.learning_rate
+        if isinstance(rate, schedules.LearningRateSchedule):
+            return float(rate(int(self.iterations.numpy())))
+        return rate
 
     @learning_rate.setter
-    def learning_rate(self, value: float) -> None:
-        """Change the learning rate on every server (one call each); slots are kept."""
-        self._reconfigure(learning_rate=_positive(value, "learning_rate"))
+    def learning_rate(self, value: Any) -> None:
+        if isinstance(self._transform.learning_rate, schedules.LearningRateSchedule) and not isinstance(
+                value, schedules.LearningRateSchedule):
+            raise TypeError(
+                f"optimizer {self.name!r} was made with a LearningRateSchedule as its learning_rate, so it "
+                f"cannot be set to the number {value!r}; set another schedule, or make the optimizer with a number"
+            )
+        self._reconfigure(learning_rate=check_rate(value))
+
+    @property
+    def clipnorm(self) -> float | None:
+        return self._clipping.clipnorm
+
+    @property
+    def clipvalue(self) -> float | None:
+        return self._clipping.clipvalue
+
+    @property
+    def global_clipnorm(self) -> float | None:
+        return self._clipping.global_clipnorm
+
+    def exclude_from_weight_decay(self, var_list: Sequence[Any] | None = None,
+                                  var_names: Sequence[str] | None = None) -> None:
+        """Keep ``var_list`` and every variable whose name contains one of ``var_names`` from weight decay.
+
+        As Keras' method of that name: ``var_names`` are regular expressions
+        searched for in the variable's name (a shard's name starts with its
+        variable's). A second call replaces the first. The choice is sent to
+        every server (one call each).
+        """
+        keys = frozenset(ref.key for v in (var_list or []) for ref in _refs_of(v, "var_list"))
+        for n in var_names or []:
+            if not isinstance(n, str):
+                raise TypeError(f"var_names must be strings, got {n!r}")
+        pattern = "|".join(sorted(set(var_names))) if var_names else None
+        self._reconfigure(decay_exempt=transforms.DecayExempt(keys, pattern) if keys or pattern else None)
 
     def _reconfigure(self, **changes: Any) -> None:
         transform = self._transform._replace(**changes)
@@ -193,14 +282,19 @@ class Optimizer:
         self._apply([as_gradient(g) for g, _ in pairs], [v for _, v in pairs])
 
     def _apply(self, grads: list[Any], variables: list[Any]) -> None:
-        items: list[tuple[Any, str, Any]] = []
+        checked: list[tuple[Any, str, Any]] = []
         for grad, var in zip(grads, variables):
             if grad is None:
                 continue
             if not isinstance(var, (Variable, ShardedVariable)):
                 raise TypeError(f"gradients must be paired with Variables, got {_describe(var)}")
             transforms.check_trainable(var.dtype, var.name, self.name)
-            items.extend(_split_gradient(var, grad))
+            checked.append((var, *check_gradient(var.shape, var.dtype, var.name, grad)))
+        # Clipping sees whole gradients: the servers see only their shards' parts.
+        clipped = clipping.clip_gradients(self._clipping, [(kind, payload) for _, kind, payload in checked])
+        items: list[tuple[Any, str, Any]] = []
+        for (var, _, _), (kind, payload) in zip(checked, clipped):
+            items.extend(_split_gradient(var, kind, payload))
         counter = self.iterations._ref
         if counter.server.is_local and any(not v._ref.server.is_local for v, _, _ in items):
             raise RuntimeError(
@@ -210,14 +304,20 @@ class Optimizer:
         protocol.apply_gradients(self._key, [(v._ref, kind, g) for v, kind, g in items], counter)
 
     def __repr__(self) -> str:
-        return f"<daskps.optimizers.{type(self).__name__} {self.name!r} learning_rate={self.learning_rate}>"
+        rate = self._transform.learning_rate  # a schedule as itself: no call to a server
+        return f"<daskps.optimizers.{type(self).__name__} {self.name!r} learning_rate={rate}>"
 
 
-def _rebuild(cls: type, transform: Any, lazy: bool, name: str, iterations: Variable, key: str, held: list) -> Optimizer:
+def _rebuild(cls: type, transform: Any, lazy: bool, name: str, iterations: Variable, key: str, held: list,
+             clipping: Any) -> Optimizer:
     opt: Optimizer = object.__new__(cls)
     opt._transform, opt.lazy_sparse, opt.name, opt.iterations = transform, lazy, name, iterations
-    opt._key, opt._refs, opt._built = key, held, None
+    opt._key, opt._refs, opt._built, opt._clipping = key, held, None, clipping
     return opt
+
+
+def _refs_of(var: Any, arg: str) -> list[Any]:
+    return [v._ref for v in shards_of(var, arg)]
 
 
 def as_gradient(grad: Any) -> Any:
@@ -241,8 +341,7 @@ def _describe(x: Any) -> str:
     return f"a {type(x).__name__}" + (f" of shape {shape}" if shape is not None else "")
 
 
-def _split_gradient(var: Any, grad: Any) -> list[tuple[Variable, str, Any]]:
-    kind, payload = check_gradient(var.shape, var.dtype, var.name, grad)
+def _split_gradient(var: Any, kind: str, payload: Any) -> list[tuple[Variable, str, Any]]:
     if isinstance(var, Variable):
         return [(var, kind, payload)]
     if kind == "dense":
@@ -250,51 +349,3 @@ def _split_gradient(var: Any, grad: Any) -> list[tuple[Variable, str, Any]]:
     # Every shard gets its part, even an empty one, so that all shards count the
     # same steps and Adam's bias correction does not depend on the sharding.
     return list(zip(var.variables, ["rows"] * len(var.variables), rows.split_rows(var._offsets, *payload)))
-
-
-class SGD(Optimizer):
-    """Gradient descent, with optional (Nesterov) momentum, as ``keras.optimizers.SGD``.
-
-    >>> opt = SGD(0.1, momentum=0.9)
-    >>> updates, state = opt.update(np.ones(2, np.float32), opt.init(np.zeros(2, np.float32)), np.zeros(2, np.float32))
-    >>> updates, state.momentum
-    (array([-0.1, -0.1], dtype=float32), array([-0.1, -0.1], dtype=float32))
-    """
-
-    def __init__(self, learning_rate: float = 0.01, momentum: float = 0.0, nesterov: bool = False,
-                 lazy_sparse: bool = True, name: str = "SGD"):
-        momentum = _positive(momentum, "momentum", allow_zero=True)
-        if momentum > 1:
-            raise ValueError(f"momentum must be in [0, 1], got {momentum!r}")
-        transform = transforms.SGDTransform(_positive(learning_rate, "learning_rate"), momentum, bool(nesterov))
-        super().__init__(transform, lazy_sparse, name)
-
-
-class Adagrad(Optimizer):
-    """Adagrad, as ``keras.optimizers.Adagrad``: ``p -= lr * g / sqrt(acc + epsilon)``."""
-
-    def __init__(self, learning_rate: float = 0.001, initial_accumulator_value: float = 0.1,
-                 epsilon: float = 1e-7, lazy_sparse: bool = True, name: str = "Adagrad"):
-        transform = transforms.AdagradTransform(
-            _positive(learning_rate, "learning_rate"),
-            _positive(initial_accumulator_value, "initial_accumulator_value", True),
-            _positive(epsilon, "epsilon"),
-        )
-        super().__init__(transform, lazy_sparse, name)
-
-
-class Adam(Optimizer):
-    """Adam, as ``keras.optimizers.Adam`` (``amsgrad`` included).
-
-    The bias correction uses the number of updates the variable has had,
-    which equals Keras' ``iterations + 1`` when every step updates it.
-    """
-
-    def __init__(self, learning_rate: float = 0.001, beta_1: float = 0.9, beta_2: float = 0.999,
-                 epsilon: float = 1e-7, amsgrad: bool = False, lazy_sparse: bool = True, name: str = "Adam"):
-        for arg, value in (("beta_1", beta_1), ("beta_2", beta_2)):
-            if not isinstance(value, (int, float)) or not 0 <= value < 1:
-                raise ValueError(f"{arg} must be in [0, 1), got {value!r}")
-        transform = transforms.AdamTransform(_positive(learning_rate, "learning_rate"), float(beta_1),
-                                             float(beta_2), _positive(epsilon, "epsilon"), bool(amsgrad))
-        super().__init__(transform, lazy_sparse, name)
