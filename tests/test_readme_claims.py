@@ -12,6 +12,7 @@ the latest checkpoint plus what ran since" can be checked function by function.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 import warnings
@@ -520,14 +521,18 @@ def test_scale_up_and_retire_a_trainer_during_a_recovery(fresh_cluster, tmp_path
         client.retire_workers([worker_address(client, "worker-0")], close_workers=True)
         wait_for_recovery(coordinator)
         coordinator.join()
-    assert len(_rollbacks(caught)) == 1, [str(w.message) for w in caught]
+    (warning,) = _rollbacks(caught)
+    rerun = int(re.search(r"(\d+) function\(s\) that failed or were cancelled by the loss run again",
+                          str(warning.message)).group(1))
     per, ids = _by_trainer(r.fetch() for r in remotes)
     assert (sb.numpy() >= 1).all()
     for name, items in per.items():
         assert len(items) == len(set(items)), name
-    # the newcomer built its own dataset: its elements start at 0 (listed in schedule order, not run order:
-    # functions queued again after the loss run after later ones already dispatched)
-    assert "worker-2" in per and min(per["worker-2"]) == 0, {k: len(v) for k, v in per.items()}
+    # The newcomer built its own dataset (its elements carry its name) and read it from 0: every element
+    # went to a function that reported, or to one that failed on the lost server and ran again (a batch
+    # Dask moved to it from the retired trainer can start before the restore is done, and fail there).
+    assert "worker-2" in per, {k: len(v) for k, v in per.items()}
+    assert max(per["worker-2"]) < len(per["worker-2"]) + rerun, (sorted(per["worker-2"])[:10], rerun)
     lost = np.flatnonzero(sa.numpy() == 0)
     (report,) = coordinator.recoveries
     # only functions that finished before the loss, each once, and the warning counted them
