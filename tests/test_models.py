@@ -337,6 +337,7 @@ def test_a_jitted_step_scheduled_200_times_compiles_once_or_twice_per_trainer(cl
         coordinator.schedule(step)
     coordinator.join()
     traces = {addr: n for addr, n in client.run(_traces).items() if n}
+    print("traces per trainer:", traces)
     assert traces, "the jitted function never ran on a trainer"
     assert all(n <= 2 for n in traces.values()), traces  # unpickled per call, it would trace 200 times
     np.testing.assert_allclose(w.numpy(), np.ones(4), atol=1e-4)  # the 200 steps ran
@@ -438,11 +439,13 @@ def test_example_runs_and_its_loss_falls(cluster, script, needs, models):
     for module in needs:
         pytest.importorskip(module, reason=f"{module} is not installed (pip install 'daskps[{needs[-1]}]')")
     # On the shared cluster (--scheduler): starting one per script would take most of this file's time.
-    cmd = [sys.executable, str(EXAMPLES / script), "--epochs", "3", "--steps", "40", "--scheduler",
+    cmd = [sys.executable, str(EXAMPLES / script), "--epochs", "3", "--steps", "40", "--lr", "0.02", "--scheduler",
            cluster.scheduler_address]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     losses = _epoch_losses(out.stdout)
+    print(script, losses)
     assert set(losses) == set(models), out.stdout
     for what, values in losses.items():
-        assert len(values) == 3 and values[-1] < 0.7 * values[0], (what, values)
+        assert len(values) == 3 and values == sorted(values, reverse=True), (what, values)  # falls every epoch
+        assert values[-1] < 0.6 * values[0], (what, values)
