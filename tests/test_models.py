@@ -69,7 +69,7 @@ def held_out(dataset_fn, **kwargs):
 
 
 def teacher_batches(ctx, batch_size: int = 64, features: int = 8):
-    """``(x, y)``: ``y`` from a fixed random tanh network, the same on every trainer."""
+    """``(x, y)``: ``y`` from a fixed random tanh network (the same teacher on every trainer)."""
     rng = np.random.default_rng(0)
     w1, w2 = rng.normal(size=(features, 16)), rng.normal(size=16) / 2
     rng = np.random.default_rng([1, ctx.input_pipeline_id])
