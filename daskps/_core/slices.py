@@ -6,6 +6,8 @@ from typing import Any
 
 import numpy as np
 
+from daskps._core.trees import to_numpy
+
 
 class IndexedSlices:
     """Rows ``indices`` of an array of ``dense_shape``, with values ``values``.
@@ -16,7 +18,7 @@ class IndexedSlices:
 
     Parameters
     ----------
-    values : array-like
+    values : array-like (numpy, JAX, torch, ...)
     indices : array-like of int
     dense_shape : tuple of int, optional
 
@@ -33,8 +35,9 @@ class IndexedSlices:
     __slots__ = ("values", "indices", "dense_shape")
 
     def __init__(self, values: Any, indices: Any, dense_shape: Any = None):
-        values = np.asarray(values)
-        indices = np.asarray(indices)
+        # As dense gradients are: a torch tensor that requires grad is detached, a GPU one copied over.
+        values = to_numpy(values)
+        indices = to_numpy(indices)
         if indices.size == 0 and indices.dtype.kind == "f":
             indices = indices.astype(np.intp)  # [] parses as float64
         if indices.dtype.kind not in "iu":
