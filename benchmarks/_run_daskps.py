@@ -20,6 +20,7 @@ from _workloads import (
     dense_batches,
     dense_grads,
     dense_init,
+    dense_jax_grad,
     small_grads,
     small_init,
     timed_schedule,
@@ -70,6 +71,22 @@ def _daskps_dense(strategy, coordinator, steps: int) -> float:
         loss, grads = dense_grads(*dps.read_values(params), x, y)
         opt.apply_gradients(zip(grads, params))
         return loss
+
+    return BATCH * _timed(coordinator, step, (iter(data),), steps, warmup=20)
+
+
+def _daskps_dense_jax(strategy, coordinator, steps: int) -> float:
+    grad = dense_jax_grad()  # captured by the step: compiled once per trainer, as the trainers keep the function
+    with strategy.scope():
+        params = dps.create_variables(dense_init())  # w1, b1, w2, b2: the names and placement of ``dense``
+        opt = dps.optimizers.SGD(LR)
+    data = coordinator.create_per_worker_dataset(lambda ctx: _cycle(dense_batches(ctx.input_pipeline_id)))
+
+    def step(it):
+        x, y = next(it)
+        loss, grads = grad(dps.read_values(params), x, y)
+        opt.apply(grads, params)
+        return float(loss)
 
     return BATCH * _timed(coordinator, step, (iter(data),), steps, warmup=20)
 

@@ -2,6 +2,8 @@
 
 - ``dispatch``: empty functions.
 - ``dense``: MLP 784 -> 256 (relu) -> 10, softmax cross-entropy.
+- ``dense_jax``: the same MLP, data and placement, its loss and gradients from one
+  ``jax.jit(jax.value_and_grad(loss))`` (daskps only: what a JAX user's step costs).
 - ``ctr``: 8 fields x 100,000 ids, embedding dim 16 (one 800,000 x 16 table),
   logits = concat(embeddings) @ w (128 x 1), sigmoid cross-entropy; sparse gradients.
 - ``small``: 64 variables of 32 floats, every one read and updated each step.
@@ -55,6 +57,19 @@ def dense_grads(w1, b1, w2, b2, x, y):
     return loss, (x.T @ gh, gh.sum(axis=0), gw2, gb2)
 
 
+def dense_jax_grad():
+    """The MLP's ``(loss, grads) = f(params, x, y)`` as one jitted JAX function; ``params`` a dict as ``dense_init``'s."""
+    import jax
+    import jax.numpy as jnp
+
+    def loss(params, x, y):
+        h = jnp.maximum(x @ params["w1"] + params["b1"], 0)
+        logp = jax.nn.log_softmax(h @ params["w2"] + params["b2"])
+        return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
+
+    return jax.jit(jax.value_and_grad(loss))
+
+
 def ctr_table(shape, dtype, partition_shape=None, partition_offset=None):
     """Initializer for the embedding table (each shard builds its own rows)."""
     rows = partition_shape or shape
@@ -90,7 +105,7 @@ def small_grads(values: list[np.ndarray]) -> list[np.ndarray]:
     return [np.float32(0.01) * v + np.float32(0.001) for v in values]
 
 
-EXAMPLES_PER_STEP = {"dispatch": 1, "dense": BATCH, "ctr": BATCH, "small": 1}
+EXAMPLES_PER_STEP = {"dispatch": 1, "dense": BATCH, "dense_jax": BATCH, "ctr": BATCH, "small": 1}
 # A thousand empty functions take a tenth of a second: each system times them three times, keeping the best.
 REPEATS = {"dispatch": 3}
 
@@ -123,4 +138,5 @@ def best_rate(name: str, steps: int, run) -> float:
         run()
         best = max(best, steps / (time.perf_counter() - start))
     return best
-UNITS = {"dispatch": "functions/s", "dense": "examples/s", "ctr": "examples/s", "small": "steps/s"}
+UNITS = {"dispatch": "functions/s", "dense": "examples/s", "dense_jax": "examples/s", "ctr": "examples/s",
+         "small": "steps/s"}

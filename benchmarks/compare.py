@@ -2,7 +2,9 @@
 
 Four workloads (see ``_workloads.py``) on 2 parameter servers and 2 trainers
 by default: empty-function dispatch, a dense MLP, a CTR model with a sharded
-embedding table, and 64 small variables. Each system runs in a fresh
+embedding table, and 64 small variables; and on daskps alone ``dense_jax``,
+the dense MLP with a jitted JAX step (when JAX is installed), read against
+daskps' own ``dense``. Each system runs in a fresh
 subprocess per round, the systems alternating, over ``--rounds`` rounds; the
 table shows the best round of each and daskps' ratio to each peer.
 
@@ -33,8 +35,9 @@ from _workloads import UNITS  # noqa: E402
 
 SYSTEMS = {"daskps": "daskps", "tf": "tensorflow", "ray": "ray", "dask": "distributed"}
 NAMES = {"daskps": "daskps", "tf": "TensorFlow PSS", "ray": "Ray actors", "dask": "raw Dask"}
-WORKLOADS = ["dispatch", "dense", "ctr", "small"]
-STEPS = {"dispatch": 1000, "dense": 300, "ctr": 300, "small": 300}
+WORKLOADS = ["dispatch", "dense", "dense_jax", "ctr", "small"]
+ONLY_ON = {"dense_jax": ("daskps",)}  # workloads the other systems do not run
+STEPS = {"dispatch": 1000, "dense": 300, "dense_jax": 300, "ctr": 300, "small": 300}
 STEPS_PER_TRAINER = {"dense": 1000}  # in the scaling mode
 SCALING_STEPS = {"dispatch": 5000}  # in the scaling mode: long enough to time on a big machine
 
@@ -72,7 +75,7 @@ def compare(systems: list[str], workloads: list[str], rounds: int, num_ps: int, 
         order = systems if r % 2 == 0 else systems[::-1]  # alternate, so load drifts hit all alike
         for system in order:
             wanted = ["dispatch"] if system == "dask" else workloads
-            wanted = [w for w in wanted if w in workloads]
+            wanted = [w for w in wanted if w in workloads and system in ONLY_ON.get(w, (system,))]
             if not wanted:
                 continue
             got = _spawn(system, wanted, num_ps, num_workers, steps, timeout)
@@ -112,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(run_one(args.child, workloads, args.ps, int(args.workers), steps)), flush=True)
         return 0
     systems, missing = _available([s for s in args.systems.split(",") if s])
+    if "dense_jax" in workloads and importlib.util.find_spec("jax") is None:
+        workloads.remove("dense_jax")
+        print("# JAX not installed, dense_jax skipped (pip install '.[jax]')")
     print(f"# {platform.node()}: {os.cpu_count()} cores, Python {platform.python_version()}, "
           f"{time.strftime('%Y-%m-%d')}; {args.ps} ps")
     if missing:
@@ -122,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     best = compare(systems, workloads, args.rounds, args.ps, counts[0], steps, args.timeout)
     print(f"# {counts[0]} trainers, best of {args.rounds} rounds")
     print(table(best, workloads))
+    mine = best.get("daskps", {})
+    if "dense" in mine and "dense_jax" in mine:
+        print(f"# daskps dense_jax / dense: {mine['dense_jax'] / mine['dense']:.2f}x")
     return 0
 
 

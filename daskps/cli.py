@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 
-from daskps.demo import DemoConfig, run_demo
+from daskps.demo import JAX_MISSING, MODELS, DemoConfig, run_demo
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,7 +24,11 @@ def main(argv: list[str] | None = None) -> int:
                       help="where checkpoints go (any fsspec URL); a rerun resumes from the latest")
     demo.add_argument("--kill-ps", type=int, default=None, metavar="EPOCH",
                       help="SIGKILL parameter server ps-0 part-way through this epoch, to watch it be recovered")
+    demo.add_argument("--model", choices=MODELS, default=defaults.model,
+                      help="gradients by hand in numpy (the default) or from a jitted jax.value_and_grad")
     args = parser.parse_args(argv)
+    if args.model == "jax" and importlib.util.find_spec("jax") is None:
+        demo.error(JAX_MISSING)
     config = DemoConfig(
         num_ps=args.num_ps,
         num_workers=args.num_workers,
@@ -31,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         steps_per_epoch=args.steps_per_epoch,
         checkpoint_dir=args.checkpoint_dir,
         kill_ps_at_epoch=args.kill_ps,
+        model=args.model,
     )
     result = run_demo(config)
     learned = result["epochs_trained"] == 0 or result["log_loss"] < result["start_log_loss"]

@@ -13,6 +13,10 @@ best possible) and its AUC the teacher's.
 The coordinator has the checkpoint manager, so a parameter server lost
 during training is re-created and restored from the latest checkpoint;
 ``kill_ps_at_epoch`` SIGKILLs ``ps-0`` part-way through that epoch to show it.
+
+``model="jax"`` trains the same model with gradients from a jitted
+``jax.value_and_grad`` of its log-loss instead of the numpy ones written
+out by hand (JAX is optional: ``pip install "daskps[jax]"``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ VOCAB = 20_000
 NUM_FIELDS = 4
 EMBED_DIM = 4
 NUM_DENSE = 8
+MODELS = ("numpy", "jax")
+JAX_MISSING = 'the demo\'s JAX model needs JAX, which is not installed: pip install "daskps[jax]"'
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,7 @@ class DemoConfig:
     checkpoint_dir: str = "daskps-demo-checkpoints"
     seed: int = 0
     kill_ps_at_epoch: int | None = None  # SIGKILL ps-0 part-way through this epoch (a local cluster's)
+    model: str = "numpy"  # how gradients are computed: "numpy" (by hand) or "jax" (jax.value_and_grad)
 
 
 def teacher(seed: int) -> dict[str, np.ndarray]:
@@ -105,14 +112,49 @@ def gradients(rows, u, w, b, ids, x, y):
     return table_grad, (pooled.T @ g).astype(np.float32), (x.T @ g).astype(np.float32), np.float32(g.sum())
 
 
+def loss_and_gradients(rows, u, w, b, ids, x, y):
+    """The batch's log-loss and the gradients of :func:`gradients`, in numpy."""
+    return log_loss(forward(rows, u, w, b, ids, x), y), gradients(rows, u, w, b, ids, x, y)
+
+
+def jax_loss_and_gradients():
+    """A function like :func:`loss_and_gradients`, its maths a jitted ``jax.value_and_grad`` of the log-loss.
+
+    Scheduled functions that capture it carry the ``jax.jit`` object; each
+    trainer keeps the functions it unpickled, so it compiles once per trainer
+    (and batch shape).
+    """
+    try:
+        import jax
+        import jax.numpy as jnp
+    except ImportError as exc:
+        raise ImportError(JAX_MISSING) from exc
+
+    def loss(rows, u, w, b, x, y):
+        z = rows.sum(axis=1) @ u + x @ w + b
+        return jnp.mean(jax.nn.softplus(z) - y * z)  # the log-loss of sigmoid(z)
+
+    value_and_grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+
+    def loss_and_grads(rows, u, w, b, ids, x, y):
+        value, (g_rows, g_u, g_w, g_b) = value_and_grad(rows, u, w, b, x, y)
+        table_grad = dps.IndexedSlices(np.asarray(g_rows).reshape(-1, EMBED_DIM), ids.ravel())
+        return float(value), (table_grad, g_u, g_w, g_b)  # JAX arrays: the optimizer takes them as they are
+
+    return loss_and_grads
+
+
 def run_demo(config: DemoConfig = DemoConfig(), cluster=None, log=print) -> dict:
     """Train on ``cluster`` (a new LocalPSCluster if None); return the final metrics."""
+    if config.model not in MODELS:
+        raise ValueError(f"model must be one of {', '.join(map(repr, MODELS))}, got {config.model!r}")
+    step_maths = jax_loss_and_gradients() if config.model == "jax" else loss_and_gradients  # before any cluster
     own = cluster is None
     if own:
         log(f"starting a LocalPSCluster: {config.num_ps} ps, {config.num_workers} workers")
         cluster = dps.LocalPSCluster(num_ps=config.num_ps, num_workers=config.num_workers)
     try:
-        return _train(config, cluster, log)
+        return _train(config, cluster, log, step_maths)
     finally:
         if own:
             cluster.close()
@@ -157,9 +199,11 @@ def _build(config: DemoConfig, client):
     return strategy, model, optimizer, train_loss
 
 
-def _train(config: DemoConfig, cluster, log) -> dict:
+def _train(config: DemoConfig, cluster, log, step_maths) -> dict:
     client = cluster.get_client()
     log(f"dashboard: {cluster.dashboard_link}")
+    if config.model == "jax":
+        log("gradients: jax.jit(jax.value_and_grad(log-loss)), compiled once per trainer")
     strategy, model, optimizer, train_loss = _build(config, client)
     table, u, w, b = model["table"], model["u"], model["w"], model["b"]
     log(f"embedding table {table.shape} in {len(getattr(table, 'variables', [table]))} shards: "
@@ -180,10 +224,9 @@ def _train(config: DemoConfig, cluster, log) -> dict:
             ids, x, y = next(iterator)
             rows = dps.embedding_lookup(table, ids)          # only these rows travel
             u_now, w_now, b_now = dps.read_values([u, w, b])
-            p = forward(rows, u_now, w_now, b_now, ids, x)
-            grads = gradients(rows, u_now, w_now, b_now, ids, x, y)
+            loss, grads = step_maths(rows, u_now, w_now, b_now, ids, x, y)
             optimizer.apply_gradients(zip(grads, [table, u, w, b]))  # one call per ps
-            train_loss.update_state(log_loss(p, y))
+            train_loss.update_state(loss)
 
     truth = teacher(seed)
     ids_t, x_t, y_t = sample(np.random.default_rng([seed, 999]), 20_000, truth)

@@ -1,9 +1,15 @@
 """The main job trains a real CTR model whose answer is known, and resumes from checkpoints."""
 
+import importlib.util
 import subprocess
 import sys
 
+import pytest
+
 from daskps.demo import DemoConfig, run_demo
+
+needs_jax = pytest.mark.skipif(importlib.util.find_spec("jax") is None,
+                               reason="JAX is not installed (pip install 'daskps[jax]')")
 
 
 def test_demo_learns_and_resumes(cluster, tmp_path):
@@ -20,6 +26,34 @@ def test_demo_learns_and_resumes(cluster, tmp_path):
     assert again["steps"] == first["steps"] + 60 // 4 * 4
     assert again["log_loss"] < first["start_log_loss"]
     assert any("resumed from" in line for line in lines)
+
+
+@needs_jax
+def test_demo_learns_with_jax_gradients(cluster, tmp_path):
+    """`daskps demo --model jax`: the same model, gradients from a jitted jax.value_and_grad."""
+    lines = []
+    result = run_demo(DemoConfig(epochs=2, steps_per_epoch=60, model="jax", checkpoint_dir=str(tmp_path / "ckpts")),
+                      cluster=cluster, log=lines.append)
+    assert any("jax.value_and_grad" in line for line in lines), lines
+    assert result["epochs_trained"] == 2 and result["steps"] == 2 * 60 // 4 * 4
+    assert result["log_loss"] < result["start_log_loss"] - 0.1
+    assert result["auc"] > 0.75 and result["auc"] <= result["teacher_auc"] + 0.01
+
+
+def test_demo_without_jax_names_the_extra(monkeypatch, capsys):
+    from daskps.cli import main
+
+    monkeypatch.setitem(sys.modules, "jax", None)  # as if not installed: importing it fails
+    with pytest.raises(ImportError, match=r'pip install "daskps\[jax\]"'):
+        run_demo(DemoConfig(model="jax"))  # before any cluster starts
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", "--model", "jax"])
+    assert exit_.value.code == 2 and 'pip install "daskps[jax]"' in capsys.readouterr().err
+
+
+def test_demo_rejects_an_unknown_model():
+    with pytest.raises(ValueError, match="model must be one of 'numpy', 'jax', got 'torch'"):
+        run_demo(DemoConfig(model="torch"))
 
 
 def test_daskps_demo_command_runs_end_to_end(tmp_path):
