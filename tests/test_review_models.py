@@ -1,0 +1,201 @@
+"""Hostile review of parameter trees, the trainer-side function cache and the Keras-3 optimizers.
+
+References are numpy, written from Keras 3's published update rules, not from daskps.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+import pytest
+
+import daskps as dps
+from tests.test_sparse import sharded
+
+NT = collections.namedtuple("NT", "kernel bias")
+
+
+@dataclasses.dataclass
+class Block:
+    layers: list
+    activation: str = "relu"
+
+
+def f32(*a):
+    return np.asarray(a, np.float32)
+
+
+# -- trees ---------------------------------------------------------------------
+def test_odd_structures_round_trip_on_the_servers(strategy):
+    x = f32(1, 2)
+    tree = {
+        "empty": {}, "nested": [[], [[]]], "one": (x,), 3: x * 3, 0: x * 0,
+        "od": collections.OrderedDict(b=x, a=x * 2),
+        "dc": Block([NT(x, np.float32(5))]), "none": None, "scalar": np.zeros((), np.float16),
+        "ints": np.arange(3), "same": [x, x],
+    }
+    with strategy.scope():
+        vs = dps.create_variables(tree, name="m")
+    assert vs["empty"] == {} and vs["nested"] == [[], [[]]] and vs["none"] is None
+    assert isinstance(vs["one"], tuple) and len(vs["one"]) == 1
+    assert type(vs["od"]) is collections.OrderedDict and list(vs["od"]) == ["b", "a"]
+    assert vs["dc"].activation == "relu" and isinstance(vs["dc"].layers[0], NT)
+    assert vs[3].name == "m/3" and vs["dc"].layers[0].bias.name == "m/dc/layers/0/bias"
+    assert vs["scalar"].dtype == np.float16 and vs["scalar"].shape == ()
+    assert vs["same"][0] is not vs["same"][1]  # the same array twice: two variables
+    vs["same"][0].assign_add(f32(1, 1))
+    values = dps.read_values(vs)
+    np.testing.assert_array_equal(values["same"][1], x)
+    np.testing.assert_array_equal(values["same"][0], x + 1)
+    assert values["dc"].layers[0].bias == 5 and values["ints"].dtype == np.arange(3).dtype
+    np.testing.assert_array_equal(values[3], x * 3)
+
+
+def test_read_values_of_row_reads_inside_a_tree(strategy):
+    table = sharded(strategy, np.arange(12, dtype=np.float32).reshape(6, 2), [3, 3], name="rv_table")
+    with strategy.scope():
+        w = dps.Variable(f32(1, 2), name="rv_w")
+    got = dps.read_values({"emb": (table, np.array([[5, 0], [2, 3]])), "w": [w], "act": "relu"})
+    np.testing.assert_array_equal(got["emb"], np.arange(12, dtype=np.float32).reshape(6, 2)[[[5, 0], [2, 3]]])
+    np.testing.assert_array_equal(got["w"][0], [1, 2])
+    assert got["act"] == "relu"
+
+
+def state(strategy, opt, vs):
+    return dps.read_values(vs), int(opt.iterations.numpy())
+
+
+@pytest.mark.parametrize("grads, match", [
+    ({"w": f32(1, 1), "c": f32(1, 1, 1)}, "'b'"),                   # same number of leaves, other path
+    ({"w": f32(1, 1), "b": None, "z": {"q": None}}, "'z/q'"),       # an extra subtree of None
+    ({"w": f32(1, 1), "b": f32(1, 1)}, "variable 'rs/b'"),           # a bad shape on the second leaf
+    ({"w": "oops", "b": None}, "variable 'rs/w'"),                  # a string gradient
+    ({"w": f32(1, 1), "b": np.full(3, np.nan, np.float32).astype(object)}, "rs/b"),  # object dtype
+])
+def test_refused_trees_name_the_path_and_change_nothing(strategy, grads, match):
+    with strategy.scope():
+        vs = dps.create_variables({"w": f32(1, 1), "b": f32(0, 0, 0)}, name="rs")
+        opt = dps.optimizers.Adam(0.1)
+    opt.apply({"w": f32(1, 1), "b": f32(1, 1, 1)}, vs)  # slots and a count exist
+    before = state(strategy, opt, vs)
+    with pytest.raises((ValueError, TypeError), match=match):
+        opt.apply(grads, vs)
+    after = state(strategy, opt, vs)
+    assert after[1] == before[1]
+    for k in ("w", "b"):
+        np.testing.assert_array_equal(after[0][k], before[0][k])
+    opt.apply({"w": f32(1, 1), "b": f32(1, 1, 1)}, vs)  # the next step is still the second Adam step
+    m = 0.1 * 1 + 0.9 * (0.1 * 1)
+    v = 0.001 * 1 + 0.999 * (0.001 * 1)
+    alpha = 0.1 * np.sqrt(1 - 0.999**2) / (1 - 0.9**2)
+    want_w = 1 - 0.1 * np.sqrt(1 - 0.999) / (1 - 0.9) * 0.1 / (np.sqrt(0.001) + 1e-7) - alpha * m / (np.sqrt(v) + 1e-7)
+    np.testing.assert_allclose(dps.read_values(vs)["w"], [want_w, want_w], rtol=1e-5)
+
+
+def test_colliding_joined_paths_make_two_variables_of_one_name(strategy):
+    """{"a/b": x, "a": {"b": y}}: both join to "a/b"; the variables stay distinct, and a
+    gradient tree still reaches each by its path (paths are tuples, not the joined names)."""
+    with strategy.scope():
+        vs = dps.create_variables({"a/b": f32(0), "a": {"b": f32(0)}}, name="col")
+        opt = dps.optimizers.SGD(1.0)
+    assert vs["a/b"].name == vs["a"]["b"].name == "col/a/b"
+    opt.apply({"a/b": f32(1), "a": {"b": f32(2)}}, vs)
+    got = dps.read_values(vs)
+    np.testing.assert_array_equal(got["a/b"], [-1])
+    np.testing.assert_array_equal(got["a"]["b"], [-2])
+
+
+def test_gradient_on_a_sharded_leaf_of_a_tree_in_a_scheduled_function(strategy, coordinator):
+    table = sharded(strategy, np.zeros((4, 2), np.float32), [2, 2], name="tree_table")
+    with strategy.scope():
+        opt = dps.optimizers.SGD(1.0)
+    vs = {"emb": table, "act": "relu", "nothing": None}
+
+    def step():
+        opt.apply({"emb": dps.IndexedSlices(np.ones((2, 2), np.float32), [0, 3]), "act": "relu", "nothing": None}, vs)
+        return int(opt.iterations.numpy())
+
+    assert coordinator.fetch(coordinator.schedule(step)) == 1
+    np.testing.assert_array_equal(table.numpy(), [[-1, -1], [0, 0], [0, 0], [-1, -1]])
+
+
+# -- function cache --------------------------------------------------------------
+def _make_step(value, log):
+    def step():
+        log.append(value)
+        return value, len(log)
+    return step
+
+
+def test_identical_code_with_other_captured_values_is_not_confused(coordinator):
+    steps = [_make_step(v, []) for v in range(5)]
+    got = coordinator.fetch([coordinator.schedule(s) for s in steps * 4])
+    assert [v for v, _ in got] == list(range(5)) * 4
+
+
+def test_more_functions_than_the_cache_holds_all_run_right(coordinator):
+    steps = [_make_step(f"f{v}", []) for v in range(80)]  # > 64
+    got = coordinator.fetch([coordinator.schedule(s) for s in steps + steps[::-1]])
+    assert [v for v, _ in got] == [f"f{v}" for v in range(80)] + [f"f{v}" for v in reversed(range(80))]
+
+
+class _FailsOnWorker:
+    def __reduce__(self):
+        return (_boom, ())
+
+
+def _boom():
+    raise RuntimeError("cannot rebuild this on a trainer")
+
+
+def test_a_function_that_fails_to_unpickle_on_the_trainer_reports_and_is_not_kept(coordinator):
+    from daskps.coordinator import batches
+
+    bad = _FailsOnWorker()
+
+    def step():
+        return bad
+
+    coordinator.schedule(step)
+    with pytest.raises(RuntimeError, match="cannot rebuild"):
+        coordinator.join()
+    assert all(b"cannot rebuild" not in key for key in getattr(batches._functions(), "_functions", {}))
+    coordinator.schedule(step)  # fails again (not a cached broken function), then the coordinator works on
+    with pytest.raises(RuntimeError, match="cannot rebuild"):
+        coordinator.join()
+    assert coordinator.fetch(coordinator.schedule(_make_step(7, []))) == (7, 1)
+
+
+def test_a_function_rescheduled_after_its_variable_was_dropped_and_recreated(strategy, coordinator):
+    """The function keeps what it captured at its first schedule (documented): it updates the
+    variable it was pickled with, which stays alive for it; a new function sees the new one."""
+    with strategy.scope():
+        box = {"v": dps.Variable(0.0, name="dropped")}
+    old = box["v"]
+
+    def step():
+        box["v"].assign_add(1.0)
+
+    coordinator.fetch(coordinator.schedule(step))
+    with strategy.scope():
+        box["v"] = dps.Variable(100.0, name="dropped")
+    coordinator.schedule(step)
+    coordinator.join()
+    assert float(old.numpy()) == 2.0 and float(box["v"].numpy()) == 100.0
+
+    def step2():
+        box["v"].assign_add(1.0)
+
+    coordinator.schedule(step2)
+    coordinator.join()
+    assert float(box["v"].numpy()) == 101.0
+
+
+def test_captured_state_mutated_by_a_step_stays_on_each_trainer(coordinator):
+    log: list[int] = []
+    step = _make_step(1, log)
+    got = coordinator.fetch([coordinator.schedule(step) for _ in range(40)])
+    assert log == []  # the coordinator's copy is untouched
+    assert max(n for _, n in got) > 1  # warm: the list grew on some trainer
