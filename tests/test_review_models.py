@@ -199,3 +199,154 @@ def test_captured_state_mutated_by_a_step_stays_on_each_trainer(coordinator):
     got = coordinator.fetch([coordinator.schedule(step) for _ in range(40)])
     assert log == []  # the coordinator's copy is untouched
     assert max(n for _, n in got) > 1  # warm: the list grew on some trainer
+
+
+# -- optimizers against numpy written from Keras 3's update rules ----------------------
+def _rmsprop(lr, rho=0.9, momentum=0.0, epsilon=1e-7, centered=False):
+    def init(x):
+        return {"v": np.zeros_like(x), "ag": np.zeros_like(x), "m": np.zeros_like(x)}
+
+    def step(x, g, s, t):
+        s["v"] = rho * s["v"] + (1 - rho) * g * g
+        if centered:
+            s["ag"] = rho * s["ag"] + (1 - rho) * g
+            denom = s["v"] - s["ag"] ** 2 + epsilon
+        else:
+            denom = s["v"] + epsilon
+        inc = lr(t) * g / np.sqrt(denom)
+        if momentum > 0:
+            s["m"] = momentum * s["m"] + inc
+            return x - s["m"]
+        return x - inc
+    return init, step
+
+
+def _adamax(lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
+    def init(x):
+        return {"m": np.zeros_like(x), "u": np.zeros_like(x)}
+
+    def step(x, g, s, t):
+        s["m"] = s["m"] + (g - s["m"]) * (1 - beta_1)
+        s["u"] = np.maximum(beta_2 * s["u"], np.abs(g))
+        return x - lr(t) * s["m"] / ((1 - beta_1 ** (t + 1)) * (s["u"] + epsilon))
+    return init, step
+
+
+def _lion(lr, beta_1=0.9, beta_2=0.99):
+    def init(x):
+        return {"m": np.zeros_like(x)}
+
+    def step(x, g, s, t):
+        new = x - lr(t) * np.sign(s["m"] * beta_1 + g * (1 - beta_1))
+        s["m"] = s["m"] * beta_2 + g * (1 - beta_2)
+        return new
+    return init, step
+
+
+def _adamw(lr, weight_decay=0.004, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
+    def init(x):
+        return {"m": np.zeros_like(x), "v": np.zeros_like(x)}
+
+    def step(x, g, s, t):
+        x = x - x * weight_decay * lr(t)
+        s["m"] = s["m"] + (g - s["m"]) * (1 - beta_1)
+        s["v"] = s["v"] + (g * g - s["v"]) * (1 - beta_2)
+        alpha = lr(t) * np.sqrt(1 - beta_2 ** (t + 1)) / (1 - beta_1 ** (t + 1))
+        return x - alpha * s["m"] / (np.sqrt(s["v"]) + epsilon)
+    return init, step
+
+
+def _nadam(lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
+    def init(x):
+        return {"m": np.zeros_like(x), "v": np.zeros_like(x)}
+
+    def step(x, g, s, t):
+        u_t = beta_1 * (1 - 0.5 * 0.96 ** (t + 1))
+        u_t1 = beta_1 * (1 - 0.5 * 0.96 ** (t + 2))
+        # the product from the (shard's) count, as the README says: the same for a row first touched late
+        up_t = np.prod([beta_1 * (1 - 0.5 * 0.96 ** (k + 1)) for k in range(t + 1)])
+        up_t1 = up_t * u_t1
+        s["m"] = s["m"] + (g - s["m"]) * (1 - beta_1)
+        s["v"] = s["v"] + (g * g - s["v"]) * (1 - beta_2)
+        m_hat = u_t1 * s["m"] / (1 - up_t1) + (1 - u_t) * g / (1 - up_t)
+        v_hat = s["v"] / (1 - beta_2 ** (t + 1))
+        return x - lr(t) * m_hat / (np.sqrt(v_hat) + epsilon)
+    return init, step
+
+
+def _ftrl(lr, learning_rate_power=-0.5, initial_accumulator_value=0.1, l1_regularization_strength=0.0,
+          l2_regularization_strength=0.0, l2_shrinkage_regularization_strength=0.0, beta=0.0):
+    def init(x):
+        return {"acc": np.full_like(x, initial_accumulator_value), "lin": np.zeros_like(x)}
+
+    def step(x, g, s, t):
+        rate, p = lr(t), -learning_rate_power
+        adjusted_l2 = l2_regularization_strength + beta / (2 * rate)
+        grad_to_use = g + 2 * l2_shrinkage_regularization_strength * x
+        new_acc = s["acc"] + g * g
+        s["lin"] = s["lin"] + grad_to_use - (new_acc ** p - s["acc"] ** p) / rate * x
+        quadratic = new_acc ** p / rate + 2 * adjusted_l2
+        clipped = np.clip(s["lin"], -l1_regularization_strength, l1_regularization_strength)
+        s["acc"] = new_acc
+        return (clipped - s["lin"]) / quadratic
+    return init, step
+
+
+def _constant(rate):
+    return lambda t: rate
+
+
+def _exponential(t):  # ExponentialDecay(0.05, decay_steps=2, decay_rate=0.5)
+    return 0.05 * 0.5 ** (t / 2)
+
+
+CASES = {
+    "AdamW": (lambda lr, **k: dps.optimizers.AdamW(lr, weight_decay=0.1, **k), lambda lr: _adamw(lr, weight_decay=0.1)),
+    "RMSprop": (lambda lr, **k: dps.optimizers.RMSprop(lr, momentum=0.5, centered=True, **k),
+                lambda lr: _rmsprop(lr, momentum=0.5, centered=True)),
+    "Ftrl": (lambda lr, **k: dps.optimizers.Ftrl(lr, **k, l1_regularization_strength=0.01, l2_regularization_strength=0.02,
+                                            l2_shrinkage_regularization_strength=0.03, beta=0.1),
+             lambda lr: _ftrl(lr, l1_regularization_strength=0.01, l2_regularization_strength=0.02,
+                              l2_shrinkage_regularization_strength=0.03, beta=0.1)),
+    "Adamax": (lambda lr, **k: dps.optimizers.Adamax(lr, **k), _adamax),
+    "Nadam": (lambda lr, **k: dps.optimizers.Nadam(lr, **k), _nadam),
+    "Lion": (lambda lr, **k: dps.optimizers.Lion(lr, **k), _lion),
+}
+START = np.linspace(-1, 1, 12, dtype=np.float32).reshape(6, 2)
+# (rows, values) per step; every step touches both shards (rows 0-2 on one, 3-5 on the other)
+SLICES = [([0, 4], [[0.5, -1.0], [2.0, 0.25]]), ([1, 5, 4], [[-0.3, 0.7], [1.0, 1.0], [-0.5, 0.1]]),
+          ([0, 3], [[0.1, 0.2], [-0.4, 0.9]])]
+
+
+def _reference(make_ref, lr, lazy):
+    init, step = make_ref(lr)
+    x = START.astype(np.float64).copy()
+    states = [init(x[r]) for r in range(len(x))]
+    for t, (rows, vals) in enumerate(SLICES):
+        dense = np.zeros_like(x)
+        np.add.at(dense, rows, np.asarray(vals))
+        for r in (sorted(set(rows)) if lazy else range(len(x))):
+            x[r] = step(x[r], dense[r], states[r], t)
+    return x
+
+
+@pytest.mark.parametrize("mode", ["lazy", "dense"])
+@pytest.mark.parametrize("schedule", ["constant", "exponential"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_new_optimizers_on_a_sharded_table_in_scheduled_functions_match_numpy(strategy, coordinator, name, mode,
+                                                                               schedule):
+    make_opt, make_ref = CASES[name]
+    lr = (dps.optimizers.schedules.ExponentialDecay(0.05, decay_steps=2, decay_rate=0.5)
+          if schedule == "exponential" else 0.05)
+    with strategy.scope():
+        opt = make_opt(lr, lazy_sparse=mode == "lazy")
+    table = sharded(strategy, START, [3, 3], name=f"opt_{name}")
+
+    def step(rows, vals):
+        opt.apply([dps.IndexedSlices(np.asarray(vals, np.float32), np.asarray(rows))], [table])
+
+    for rows, vals in SLICES:  # one at a time: the steps' order matters
+        coordinator.fetch(coordinator.schedule(step, args=(rows, vals)))
+    want = _reference(make_ref, _exponential if schedule == "exponential" else _constant(0.05), mode == "lazy")
+    np.testing.assert_allclose(table.numpy(), want, rtol=2e-5, atol=2e-6)
+    assert int(opt.iterations.numpy()) == len(SLICES)
