@@ -118,7 +118,7 @@ class Optimizer:
             raise RuntimeError("create optimizers on the coordinator, not inside a scheduled function")
         self._transform = transform
         self._clipping = clip
-        self.lazy_sparse = bool(lazy_sparse)
+        self._lazy_sparse = bool(lazy_sparse)
         self.name = name
         self.iterations = Variable(np.int64(0), trainable=False, name=f"{name}/iterations")
         owner = getattr(strategy, "_group", None) if in_scope else None
@@ -167,6 +167,22 @@ class Optimizer:
     @property
     def clipnorm(self) -> float | None:
         return self._clipping.clipnorm
+
+    @property
+    def lazy_sparse(self) -> bool:
+        """Whether an ``IndexedSlices`` gradient updates only its rows; fixed when the optimizer is made.
+
+        The servers take it at construction, so it cannot be assigned: make
+        another optimizer for the other mode.
+        """
+        return self._lazy_sparse
+
+    @lazy_sparse.setter
+    def lazy_sparse(self, value: bool) -> None:
+        raise AttributeError(
+            f"lazy_sparse of optimizer {self.name!r} is fixed when it is made (the servers hold it): "
+            f"make another optimizer with lazy_sparse={bool(value)}"
+        )
 
     @property
     def clipvalue(self) -> float | None:
@@ -311,7 +327,7 @@ class Optimizer:
 def _rebuild(cls: type, transform: Any, lazy: bool, name: str, iterations: Variable, key: str, held: list,
              clipping: Any) -> Optimizer:
     opt: Optimizer = object.__new__(cls)
-    opt._transform, opt.lazy_sparse, opt.name, opt.iterations = transform, lazy, name, iterations
+    opt._transform, opt._lazy_sparse, opt.name, opt.iterations = transform, lazy, name, iterations
     opt._key, opt._refs, opt._built, opt._clipping = key, held, None, clipping
     return opt
 
