@@ -64,6 +64,28 @@ def test_read_values_of_row_reads_inside_a_tree(strategy):
     assert got["act"] == "relu"
 
 
+Dense = collections.namedtuple("Dense", "kernel activation")
+
+
+@pytest.mark.parametrize("other", ["relu", 1])
+def test_read_values_of_a_namedtuple_of_a_variable_and_a_non_array(strategy, other):
+    """A (table, ids) pair is a plain tuple; a namedtuple of two fields is part of the tree (it was read
+    as rows ``other`` of the kernel, or refused as ids of strings)."""
+    with strategy.scope():
+        vs = dps.create_variables({"layer": Dense(np.arange(8, dtype=np.float32).reshape(4, 2), other)}, name="nt")
+    got = dps.read_values(vs)["layer"]
+    assert isinstance(got, Dense) and got.activation == other
+    np.testing.assert_array_equal(got.kernel, np.arange(8).reshape(4, 2))
+
+
+def test_read_values_of_a_plain_tuple_of_a_variable_and_a_name(strategy):
+    with strategy.scope():
+        vs = dps.create_variables([(np.ones(2, np.float32), "relu")], name="pt")
+    got = dps.read_values(vs)
+    assert got[0][1] == "relu"
+    np.testing.assert_array_equal(got[0][0], [1, 1])
+
+
 def state(strategy, opt, vs):
     return dps.read_values(vs), int(opt.iterations.numpy())
 
