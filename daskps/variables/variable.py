@@ -380,11 +380,15 @@ def read_values(variables: Any) -> Any:
 
 
 def _is_row_read(node: Any) -> bool:
-    """A ``(table, ids)`` pair: a variable and ids that hold no variable."""
-    if not (isinstance(node, tuple) and len(node) == 2 and isinstance(node[0], (Variable, ShardedVariable))):
+    """A ``(table, ids)`` pair: a plain tuple of a variable and ids that hold no variable and no name.
+
+    A namedtuple (a layer's fields) and a pair whose second item holds a
+    string (an activation's name) are part of the parameter tree instead.
+    """
+    if not (type(node) is tuple and len(node) == 2 and isinstance(node[0], (Variable, ShardedVariable))):
         return False
     leaves = trees.flatten(node[1])[1]
-    return all(x is not None and not isinstance(x, (Variable, ShardedVariable)) for x in leaves)
+    return all(x is not None and not isinstance(x, (Variable, ShardedVariable, str, bytes)) for x in leaves)
 
 
 def _plan(v: Any) -> tuple[list[tuple[Variable, Any]], Any]:
