@@ -117,6 +117,43 @@ def test_refused_trees_name_the_path_and_change_nothing(strategy, grads, match):
     np.testing.assert_allclose(dps.read_values(vs)["w"], [want_w, want_w], rtol=1e-5)
 
 
+@pytest.mark.parametrize("bad", [
+    lambda: dps.IndexedSlices(np.ones((1, 2), np.float32), [6]),        # a row past the end
+    lambda: dps.IndexedSlices(np.ones((1, 2), np.float32), [-1]),       # negative
+    lambda: dps.IndexedSlices(np.ones((1, 3), np.float32), [0]),        # rows of the wrong width
+    lambda: np.ones((5, 2), np.float32),                                # dense, wrong shape
+])
+def test_a_bad_gradient_on_a_sharded_leaf_changes_no_server(strategy, bad):
+    table = sharded(strategy, np.zeros((6, 2), np.float32), [3, 3], name="bad_table")
+    with strategy.scope():
+        w = dps.Variable(f32(1, 1), name="bad_w")
+        opt = dps.optimizers.Lion(0.1)
+    vs = {"w": w, "emb": table}
+    opt.apply({"w": f32(1, 1), "emb": dps.IndexedSlices(np.ones((2, 2), np.float32), [0, 5])}, vs)
+    before = state(strategy, opt, vs)
+    with pytest.raises((ValueError, IndexError, TypeError), match="bad_table"):
+        opt.apply({"w": f32(1, 1), "emb": bad()}, vs)
+    after = state(strategy, opt, vs)
+    assert after[1] == before[1]
+    np.testing.assert_array_equal(after[0]["w"], before[0]["w"])
+    np.testing.assert_array_equal(after[0]["emb"], before[0]["emb"])
+    # the slots too: the next step is Lion's second, m = 0.1 * g after the first
+    opt.apply({"w": f32(-1, -1), "emb": dps.IndexedSlices(np.full((1, 2), -1, np.float32), [5])}, vs)
+    want = before[0]["emb"].copy()
+    want[5] -= 0.1 * np.sign(0.9 * 0.01 * 1 + 0.1 * -1)  # m after step 1 is (1 - 0.99) * 1
+    np.testing.assert_allclose(table.numpy(), want, rtol=1e-6, atol=1e-7)
+
+
+def test_a_variables_tree_with_an_array_where_a_variable_should_be_names_the_path(strategy):
+    with strategy.scope():
+        w = dps.Variable(f32(1, 1), name="np_w")
+        opt = dps.optimizers.SGD(0.1)
+    with pytest.raises(TypeError, match="'layer/b'"):
+        opt.apply({"w": f32(1, 1), "layer": {"b": f32(1, 1)}}, {"w": w, "layer": {"b": f32(0, 0)}})
+    assert int(opt.iterations.numpy()) == 0
+    np.testing.assert_array_equal(w.numpy(), [1, 1])
+
+
 def test_colliding_joined_paths_make_two_variables_of_one_name(strategy):
     """{"a/b": x, "a": {"b": y}}: both join to "a/b"; the variables stay distinct, and a
     gradient tree still reaches each by its path (paths are tuples, not the joined names)."""
