@@ -291,10 +291,15 @@ class Optimizer:
                 f"for {len(variables)} variables"
             )
         order = trees.match(var_paths, grad_paths, "grads", "trainable_variables")
-        pairs = [(flat_grads[i], v) for i, v in zip(order, variables)]
-        # A tree's other leaves (a dataclass's activation name, None) carry no gradient.
-        pairs = [(g, v) for g, v in pairs if isinstance(v, (Variable, ShardedVariable)) or trees.is_array(g)
-                 or isinstance(g, IndexedSlices)]
+        pairs = []
+        for path, i, v in zip(var_paths, order, variables):
+            g = flat_grads[i]
+            if isinstance(v, (Variable, ShardedVariable)):
+                pairs.append((g, v))
+            elif trees.is_array(g) or isinstance(g, IndexedSlices):
+                raise TypeError(f"trainable_variables at {trees.describe(path)} must be a Variable to take a "
+                                f"gradient, got {_describe(v)}")
+            # A tree's other leaves (a dataclass's activation name, None) carry no gradient.
         self._apply([as_gradient(g) for g, _ in pairs], [v for _, v in pairs])
 
     def _apply(self, grads: list[Any], variables: list[Any]) -> None:
