@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import pickle
 
 import numpy as np
@@ -506,3 +507,33 @@ def test_learning_rate_setter_with_schedules(strategy):
     assert float(opt.learning_rate) == pytest.approx(0.25)  # at iterations == 2
     opt.apply([f32(1, 1)], [w])  # w's own count is 2: 1.0 * 0.5**2
     np.testing.assert_allclose(w.numpy(), [-1.0, -1.0])
+
+
+def _cosine(step, init, ds, alpha=0.0, wt=None, ws=0):
+    if wt is not None and step < ws:
+        return init + (wt - init) * step / ws
+    c = 0.5 * (1 + math.cos(math.pi * min(step - ws, ds) / ds))
+    return (wt if wt is not None else init) * ((1 - alpha) * c + alpha)
+
+
+def _polynomial(step, init, ds, end=1e-4, power=1.0, cycle=False):
+    if cycle:
+        ds = ds * (1 if step == 0 else math.ceil(step / ds))
+    else:
+        step = min(step, ds)
+    return (init - end) * (1 - step / ds) ** power + end
+
+
+@pytest.mark.parametrize("make, ref", [
+    (lambda S: S.CosineDecay(0.1, 10, alpha=0.2), lambda s: _cosine(s, 0.1, 10, 0.2)),
+    (lambda S: S.CosineDecay(0.0, 10, warmup_target=0.5, warmup_steps=5, alpha=0.1),
+     lambda s: _cosine(s, 0.0, 10, 0.1, 0.5, 5)),
+    (lambda S: S.PolynomialDecay(0.1, 4, end_learning_rate=0.01, power=2.0, cycle=True),
+     lambda s: _polynomial(s, 0.1, 4, 0.01, 2.0, True)),
+    (lambda S: S.PolynomialDecay(0.1, 4, end_learning_rate=0.01, power=0.5), lambda s: _polynomial(s, 0.1, 4, 0.01, 0.5)),
+    (lambda S: S.InverseTimeDecay(0.1, 3, 0.5, staircase=True), lambda s: 0.1 / (1 + 0.5 * (s // 3))),
+    (lambda S: S.ExponentialDecay(0.1, 3, 0.5, staircase=True), lambda s: 0.1 * 0.5 ** (s // 3)),
+])
+def test_schedules_match_keras_formulas(make, ref):
+    sched = make(dps.optimizers.schedules)
+    np.testing.assert_allclose([float(sched(s)) for s in range(22)], [ref(s) for s in range(22)], rtol=1e-6)
