@@ -494,10 +494,6 @@ def test_a_schedule_resumes_at_the_saved_step_with_slots(strategy, tmp_path):
     _schedule_round_trip(strategy, tmp_path, lambda s: dps.optimizers.Adam(s))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "defect: a variable's update count is saved only as the 'step' of its slot pieces; an optimizer "
-    "state without slot arrays (SGD without momentum) writes none, so restore (and a re-created server) "
-    "drops the state and that variable's schedule / weight decay restarts at step 0"))
 def test_a_schedule_resumes_at_the_saved_step_without_slots(strategy, tmp_path):
     _schedule_round_trip(strategy, tmp_path, lambda s: dps.optimizers.SGD(s))
 

@@ -65,6 +65,8 @@ def write_with_slots(
 ) -> list[dict[str, Any]]:
     """Write a variable piece and, for each ``(optimizer_path, count, slots)``, its slot pieces."""
     records = [write_piece(fs, root, tensor, offset, array)]
+    if slot_states:  # the update counts, also of states with no slot arrays (SGD without momentum)
+        records[0]["steps"] = {opt_path: int(count) for opt_path, count, _ in slot_states}
     for opt_path, count, slots in slot_states:
         for slot, value in sorted(slots.items()):
             rec = write_piece(fs, root, slot_tensor(tensor, opt_path, slot), offset, value)

@@ -195,7 +195,8 @@ class Checkpoint:
                 if servers is not None and v._ref.server not in servers:
                     continue
                 stop = offset + (v.shape[0] if v.shape else 1)
-                slots = {o._key: _saved_slots(slots_of, name, p) for p, o in optimizers.items()} if t.slotted else {}
+                slots = ({o._key: _saved_slots(slots_of, saved[name], name, p) for p, o in optimizers.items()}
+                         if t.slotted else {})
                 pieces = saved[name]["pieces"]
                 items.append((v._ref, {"start": offset, "stop": stop, "pieces": pieces, "slots": slots}))
         protocol.restore(path, items)
@@ -270,6 +271,9 @@ def _checked_manifest(raw: bytes, where: str) -> dict:
             raise bad(f"tensor {name!r}: dtype {dtype} / shape {shape!r} cannot be a variable's")
         if entry.get("step") is not None and not count(entry["step"]):
             raise bad(f"tensor {name!r}: step {entry['step']!r} is not a non-negative int")
+        steps = entry.get("steps", {})
+        if not isinstance(steps, dict) or not all(isinstance(k, str) and count(n) for k, n in steps.items()):
+            raise bad(f"tensor {name!r}: steps {steps!r} is not a mapping of optimizer paths to non-negative ints")
         if not isinstance(pieces, list) or not pieces:
             raise bad(f"tensor {name!r} has no pieces")
         covered = 0
@@ -306,6 +310,9 @@ def _tensors(records: list[dict]) -> dict[str, dict]:
         t["pieces"].append({k: rec[k] for k in ("file", "offset", "rows", "shape")})
         if "step" in rec:
             t["step"] = max(t["step"] or 0, rec["step"])
+        for opt_path, n in rec.get("steps", {}).items():
+            steps = t.setdefault("steps", {})
+            steps[opt_path] = max(steps.get(opt_path, 0), n)
     for t in out.values():
         t["pieces"].sort(key=lambda p: p["offset"])
         first = t["pieces"][0]["shape"]
@@ -369,10 +376,12 @@ def _check_optimizers_reach(tensors: dict[str, _Tensor], optimizers: dict[str, O
                     )
 
 
-def _saved_slots(slots_of: dict, tensor: str, opt_path: str) -> dict | None:
+def _saved_slots(slots_of: dict, entry: dict, tensor: str, opt_path: str) -> dict | None:
+    """What ``opt_path`` saved for ``tensor``: its update count and slot pieces (``None``: nothing)."""
     found = {slot: entry for slot, (_, entry) in slots_of.get(tensor, {}).get(opt_path, {}).items()}
     if not found:
-        return None
+        step = entry.get("steps", {}).get(opt_path)  # a state without slot arrays: its count alone
+        return None if step is None else {"step": step, "pieces": {}}
     return {"step": max(t["step"] or 0 for t in found.values()), "pieces": {s: t["pieces"] for s, t in found.items()}}
 
 
