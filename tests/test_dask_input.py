@@ -119,6 +119,20 @@ def test_persisted_partitions_are_read_where_they_lie(client, coordinator):
         assert {int(b[0]) // 1000 for b in batches} <= mine
 
 
+def test_partitions_held_elsewhere_are_fetched_once(client, coordinator):
+    trainers = dict(coordinator.strategy.cluster_resolver.training_workers())
+    x = client.persist(da.arange(6000, chunks=1000), workers=[trainers["worker-0"]])  # all on worker-0
+    wait(x)
+    before = _transfers(client)
+    ds = coordinator.create_per_worker_dataset(dps.data.from_dask(x, batch_size=500, epochs=3))
+    seen = _read_all(coordinator, iter(ds))
+    ids = np.sort(np.concatenate([b for bs in seen.values() for b in bs]))
+    assert np.array_equal(ids, np.repeat(np.arange(6000), 3))
+    assert {name: len(bs) for name, bs in seen.items()} == {"worker-0": 18, "worker-1": 18}  # balanced by rows
+    after = _transfers(client)
+    assert after[trainers["worker-0"]] - before[trainers["worker-0"]] == 3  # 3 partitions moved, each sent once
+
+
 def test_a_dropped_dataset_frees_its_partitions(client, coordinator):
     x = da.random.random((4000, 2), chunks=(1000, 2))
     ds = coordinator.create_per_worker_dataset(dps.data.from_dask(x, batch_size=100))

@@ -28,8 +28,11 @@ fetched.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import numbers
+import uuid
+import weakref
 from collections.abc import Generator, Iterator
 from typing import Any
 
@@ -300,6 +303,7 @@ class Reader:
     seed: int | None
     epochs: int | None
     drop_remainder: bool
+    published: str  # the partitions' futures, published on the scheduler under this name
 
     def __call__(self, ctx: Any) -> Stream:
         name = str(get_worker().name)
@@ -312,6 +316,7 @@ class Stream:
     def __init__(self, reader: Reader, partitions: tuple[int, ...], index: int):
         self.reader, self.partitions, self.index = reader, partitions, index
         self.fetched: dict[int, list[Any]] = {}  # partitions fetched from other workers, kept for later epochs
+        self.futures: list[tuple[Future, ...]] | None = None
 
     def __iter__(self) -> Iterator[Any]:
         r = self.reader
@@ -362,13 +367,16 @@ class Stream:
         """Partition ``i`` of every component, as numpy (a dict of columns for a DataFrame)."""
         if i in self.fetched:
             return self.fetched[i]
-        keys = self.reader.plan.keys[i]
-        local = all(k in get_worker().data for k in keys)
         client = get_client()
+        if self.futures is None:
+            # Futures from the scheduler, not made from keys here: with them the worker's client
+            # hears of a partition Dask recomputes after its worker died.
+            self.futures = client.get_dataset(self.reader.published)
+        futures = self.futures[i]
+        local = all(f.key in get_worker().data for f in futures)
         # The worker's client reads keys this worker holds from its own memory, the others
-        # straight from the workers holding them. The coordinator holds the keys (state "memory").
-        # (distributed looks the state up by name; its annotation says FutureState.)
-        values = client.gather([Future(k, client, state="memory") for k in keys])  # type: ignore[arg-type]
+        # straight from the workers holding them.
+        values = client.gather(list(futures))
         out = [_to_numpy(v) for v in values]
         if not local:
             self.fetched[i] = out
@@ -399,9 +407,34 @@ def _slice(a: Any, start: int, stop: int) -> Any:
     return {c: v[start:stop] for c, v in a.items()} if isinstance(a, dict) else a[start:stop]
 
 
-def dask_dataset(client: Any, spec: DaskInput, trainers: list[tuple[str, str]]) -> tuple[Reader, list[Future]]:
-    """The dataset function for the trainers and the futures the coordinator must hold while it lives."""
+class Held:
+    """The coordinator's hold on a dataset's partitions: released (and unpublished) when it dies."""
+
+    def __init__(self, client: Any, name: str, futures: list[Future]):
+        self.futures = futures
+        self._finalizer = weakref.finalize(self, _unpublish, client, name)
+
+    def __repr__(self) -> str:
+        return f"<Held {len(self.futures)} partitions>"
+
+
+def _unpublish(client: Any, name: str) -> None:
+    """Drop the published futures without blocking whoever dropped the dataset."""
+    async def go() -> None:
+        with contextlib.suppress(Exception):  # the cluster is going away: nothing left to free
+            await client.unpublish_dataset(name, asynchronous=True)
+
+    with contextlib.suppress(Exception):
+        client.loop.add_callback(go)
+
+
+def dask_dataset(client: Any, spec: DaskInput, trainers: list[tuple[str, str]]) -> tuple[Reader, Held]:
+    """The dataset function for the trainers and what the coordinator must hold while it lives."""
     plan, futures = make_plan(client, spec, trainers)
+    name = f"daskps-data-{uuid.uuid4().hex}"
+    per_partition = [tuple(futures[c * len(plan.rows) + i] for c in range(len(spec.parts)))
+                     for i in range(len(plan.rows))]
+    client.publish_dataset(per_partition, name=name)
     reader = Reader(plan, spec.names, spec.single, spec.batch_size, spec.shuffle, spec.seed, spec.epochs,
-                    spec.drop_remainder)
-    return reader, futures
+                    spec.drop_remainder, name)
+    return reader, Held(client, name, futures)
