@@ -14,6 +14,8 @@ import daskps as dps
 from daskps.coordinator.dask_input import assign
 from daskps.errors import OutOfRangeError
 
+from .conftest import kill_worker, wait_for_worker
+
 ROWS = 100_000
 
 
@@ -179,3 +181,15 @@ def test_misaligned_frame_partitions_are_refused_once_counted(coordinator):
     b = dd.from_pandas(pd.DataFrame({"y": range(100)}), npartitions=2).repartition(divisions=[0, 30, 99])
     with pytest.raises(ValueError, match=r"collection\[1\] must have the same rows per partition"):
         coordinator.create_per_worker_dataset(dps.data.from_dask((a, b), batch_size=10))
+
+
+def test_a_restarted_trainer_reads_its_share_again(fresh_cluster):
+    cluster, client = fresh_cluster
+    coordinator = dps.ClusterCoordinator(dps.ParameterServerStrategy(client))
+    frame = dd.from_pandas(pd.DataFrame({"id": np.arange(20_000)}), npartitions=4)
+    ds = coordinator.create_per_worker_dataset(dps.data.from_dask(frame, batch_size=1000))
+    _read_all(coordinator, iter(ds))
+    old = kill_worker(client, "worker-1")  # its partitions die with it
+    wait_for_worker(client, "worker-1", old)
+    seen = _read_all(coordinator, iter(ds))  # Dask recomputes them for the new worker-1
+    assert np.array_equal(_all_ids(seen), np.arange(20_000))
