@@ -153,6 +153,53 @@ def test_a_dropped_dataset_frees_its_partitions(client, coordinator):
         time.sleep(0.1)
 
 
+def _held_keys(client, name):
+    return client.run_on_scheduler(
+        lambda dask_scheduler: sum(1 for k in dask_scheduler.tasks if isinstance(k, tuple) and k[0] == name))
+
+
+def test_closing_the_strategy_frees_the_partitions(client):
+    strategy = dps.ParameterServerStrategy(client)
+    coordinator = dps.ClusterCoordinator(strategy)
+    x = da.random.random(3000, chunks=1000)
+    ds = coordinator.create_per_worker_dataset(dps.data.from_dask(x, batch_size=100))
+    coordinator.schedule(lambda i: next(i), args=(iter(ds),)).fetch()
+    assert _held_keys(client, x.name) == 3
+    strategy.close()
+    deadline = time.monotonic() + 20
+    while _held_keys(client, x.name):
+        assert time.monotonic() < deadline, "closing the strategy did not release the partitions"
+        time.sleep(0.1)
+
+
+def test_a_collection_persisted_by_the_user_stays_persisted(client, coordinator):
+    x = client.persist(da.random.random(2000, chunks=1000))
+    ds = coordinator.create_per_worker_dataset(dps.data.from_dask(x, batch_size=100))
+    coordinator.schedule(lambda i: next(i), args=(iter(ds),)).fetch()
+    del ds
+    gc.collect()
+    time.sleep(0.5)
+    assert _held_keys(client, x.name) == 2
+    assert np.asarray(x).shape == (2000,)
+
+
+def test_epochs_none_repeats_forever(coordinator):
+    x = da.arange(100, chunks=50)
+    it = iter(coordinator.create_per_worker_dataset(dps.data.from_dask(x, batch_size=50, epochs=None)))
+    out = coordinator.fetch([coordinator.schedule(lambda i: next(i), args=(it,)) for _ in range(30)])
+    assert len(out) == 30 and all(b.shape == (50,) for b in out)
+
+
+def test_a_dict_of_a_frame_and_an_array(coordinator):
+    frame = dd.from_pandas(pd.DataFrame({"id": np.arange(1000)}), npartitions=2)
+    labels = da.arange(1000, chunks=500) * 2
+    ds = coordinator.create_per_worker_dataset(dps.data.from_dask({"x": frame, "y": labels}, batch_size=100))
+    batches = [b for bs in _read_all(coordinator, iter(ds)).values() for b in bs]
+    assert len(batches) == 10
+    for b in batches:
+        assert set(b) == {"x", "y"} and np.array_equal(b["y"], b["x"]["id"] * 2)
+
+
 def test_partitions_go_to_their_holders_balanced_by_rows():
     owners, moved = assign([100, 100, 100, 100], [{"a"}, {"a"}, {"a"}, {"b"}], ["a", "b"])
     assert sorted(len(v) for v in owners.values()) == [2, 2] and moved == 1
