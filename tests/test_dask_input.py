@@ -190,6 +190,18 @@ def test_epochs_none_repeats_forever(coordinator):
     assert len(out) == 30 and all(b.shape == (50,) for b in out)
 
 
+def test_a_trainer_with_nothing_to_read_ends_even_when_repeating_forever(coordinator):
+    x = da.arange(100, chunks=100)  # one partition: one trainer reads nothing
+    it = iter(coordinator.create_per_worker_dataset(dps.data.from_dask(x, batch_size=50, epochs=None)))
+    seen = {}
+    for _ in range(20):
+        for name, batch in coordinator.fetch([coordinator.schedule(_where_and_next, args=(it,)) for _ in range(20)]):
+            seen.setdefault(name, set()).add(batch is None)
+        if len(seen) == 2:
+            break
+    assert sorted(seen.values(), key=lambda v: sorted(v)) == [{False}, {True}]  # one repeats, one always ends
+
+
 def test_a_dict_of_a_frame_and_an_array(coordinator):
     frame = dd.from_pandas(pd.DataFrame({"id": np.arange(1000)}), npartitions=2)
     labels = da.arange(1000, chunks=500) * 2

@@ -322,7 +322,12 @@ class Stream:
         r = self.reader
         epoch = 0
         while r.epochs is None or epoch < r.epochs:
-            yield from self._epoch(epoch)
+            empty = True
+            for batch in self._epoch(epoch):
+                empty = False
+                yield batch
+            if empty:  # no rows here (none assigned, or fewer than a batch dropped): repeating gives none
+                return
             epoch += 1
 
     def _epoch(self, epoch: int) -> Iterator[Any]:
