@@ -184,7 +184,6 @@ def _check_aligned(parts: tuple[Any, ...], labels: list[str]) -> None:
 class Plan:
     """Where each partition is read: ``assignment[trainer name]`` lists partition indices."""
 
-    keys: tuple[tuple[Any, ...], ...]  # keys[i]: partition i's key in each component
     rows: tuple[int, ...]
     assignment: dict[str, tuple[int, ...]]
     moved: int  # partitions given to a trainer that does not hold them
@@ -259,9 +258,7 @@ def make_plan(client: Any, spec: DaskInput, trainers: list[tuple[str, str]]) -> 
         holders.append({a for a, c in counts.items() if c == top})
     by_addr, moved = assign([int(n) for n in lengths[0]], holders, addresses)
     names = {addr: name for name, addr in trainers}
-    plan = Plan(tuple(tuple(fs[i].key for fs in futures) for i in range(len(lengths[0]))),
-                tuple(int(n) for n in lengths[0]),
-                {names[a]: tuple(sorted(by_addr[a])) for a in addresses}, moved)
+    plan = Plan(tuple(int(n) for n in lengths[0]), {names[a]: tuple(sorted(by_addr[a])) for a in addresses}, moved)
     return plan, [f for fs in futures for f in fs]
 
 
