@@ -145,11 +145,18 @@ def test_a_dropped_dataset_frees_its_partitions(client, coordinator):
         return sum(1 for k in dask_scheduler.tasks if isinstance(k, tuple) and k[0] == name)
 
     assert client.run_on_scheduler(held) == 4
+    dataset_id = ds._spec.dataset_id
+
+    def built(dask_worker):
+        state = getattr(dask_worker, "_daskps_state", None)
+        return state is not None and dataset_id in state.datasets
+
+    assert any(client.run(built).values())
     del ds, it
     gc.collect()
     deadline = time.monotonic() + 20
-    while client.run_on_scheduler(held):
-        assert time.monotonic() < deadline, "the persisted partitions were not released"
+    while client.run_on_scheduler(held) or any(client.run(built).values()):
+        assert time.monotonic() < deadline, "the partitions, or the trainers' readers, were not released"
         time.sleep(0.1)
 
 
