@@ -20,7 +20,7 @@ The package is layered; each layer imports only those below it:
 
 from __future__ import annotations
 
-from daskps import errors, metrics, optimizers, partitioners
+from daskps import data, errors, metrics, optimizers, partitioners
 from daskps._core.slices import IndexedSlices
 from daskps.coordinator.coordinator import ClusterCoordinator, RemoteValue
 from daskps.coordinator.datasets import PerWorkerDataset, PerWorkerIterator, PerWorkerValues
@@ -67,6 +67,7 @@ __all__ = [
     "Variable",
     "create_partitioned_variables",
     "create_variables",
+    "data",
     "embedding_lookup",
     "errors",
     "get_replica_context",

@@ -39,6 +39,7 @@ from daskps._core.nest import map_structure
 from daskps._core.pickling import FunctionCache
 from daskps.coordinator.datasets import PerWorkerValues, local_worker_index
 from daskps.distribute.context import scheduled_function
+from daskps.errors import OutOfRangeError
 from daskps.ps import pipeline, protocol, refs
 from daskps.ps.group import generation_known
 from daskps.ps.plugin import REPORTED_HANDLER
@@ -202,6 +203,10 @@ def _run_one(strategy: Any, blob: tuple[bytes, bytes]) -> tuple[str, bytes | Non
                     value = fn(*args, **kwargs)
             finally:
                 del fn, args, kwargs
+    except StopIteration as exc:  # an input's end, uncaught: TensorFlow's OutOfRangeError
+        failed = _pickled_error(OutOfRangeError(f"{exc or 'an iterator is exhausted'}; create a new one with "
+                                                "iter(dataset), or catch the end with next(iterator, None)"))
+        refs.drop_traceback(exc)
     except Exception as exc:
         failed = _pickled_error(exc)
         refs.drop_traceback(exc)  # its frames would keep the function's handles alive, as if left behind

@@ -53,6 +53,7 @@ from daskps._core.nest import map_structure
 from daskps._core.pickling import dumps_or_explain
 from daskps.coordinator import recovery
 from daskps.coordinator.batches import BIG, ERROR, load_error, run_batch
+from daskps.coordinator.dask_input import DaskInput, dask_dataset
 from daskps.coordinator.datasets import PerWorkerDataset
 from daskps.coordinator.remote import FAILED, PENDING, RemoteValue, to_numpy
 from daskps.distribute.strategy import ParameterServerStrategy
@@ -607,12 +608,23 @@ class ClusterCoordinator:
         """
         return to_numpy(val)
 
-    def create_per_worker_dataset(self, dataset_fn: Callable[..., Any]) -> PerWorkerDataset:
+    def create_per_worker_dataset(self, dataset_fn: Callable[..., Any] | DaskInput) -> PerWorkerDataset:
         """Build ``dataset_fn()`` (or ``dataset_fn(input_context)``) on each worker.
+
+        ``dataset_fn`` may also be ``dps.data.from_dask(collection, ...)``:
+        each trainer then reads the partitions it holds (see
+        :mod:`daskps.coordinator.dask_input`), and ``next`` at the end raises
+        ``StopIteration`` in the scheduled function.
 
         Returns a :class:`~daskps.coordinator.datasets.PerWorkerDataset`;
         ``iter()`` on it gives a per-worker iterator to pass to scheduled functions.
         """
+        if isinstance(dataset_fn, DaskInput):
+            self._strategy._check_open("create_per_worker_dataset")
+            resolver = self._strategy.cluster_resolver
+            assert resolver is not None
+            reader, futures = dask_dataset(self._strategy.client, dataset_fn, resolver.training_workers())
+            return PerWorkerDataset(self, reader, keep=futures, stops=True)
         return PerWorkerDataset(self, dataset_fn)
 
     def summary(self) -> dict[str, Any]:

@@ -69,6 +69,7 @@ class _DatasetSpec:
     dataset_id: str
     blob: refs.Ref
     worker_names: tuple[str, ...]
+    stops: bool = False  # the end raises StopIteration in the function (dps.data), not OutOfRangeError
 
 
 class PerWorkerIterator(PerWorkerValues):
@@ -88,7 +89,7 @@ class PerWorkerIterator(PerWorkerValues):
         refs.keep_alive(self._dataset)
         spec, server = self._spec, self._spec.blob.server
         return (_iterator, (spec.dataset_id, self._iterator_id, server.address, server.actor_key,
-                            server.task_id, spec.worker_names))
+                            server.task_id, spec.worker_names, spec.stops))
 
     def __iter__(self) -> PerWorkerIterator:
         return self
@@ -111,11 +112,11 @@ class PerWorkerIterator(PerWorkerValues):
 
 
 def _iterator(dataset_id: str, iterator_id: int, address: str, actor_key: str, task_id: int,
-              worker_names: tuple[str, ...]) -> PerWorkerIterator:
+              worker_names: tuple[str, ...], stops: bool = False) -> PerWorkerIterator:
     """An iterator handle that arrived by pickle (compact: it travels with every scheduled function)."""
     server = protocol.ServerRef(address, actor_key, task_id)
     blob = refs.borrow(server, f"dataset-{dataset_id}", f"<dataset {dataset_id}>")
-    return PerWorkerIterator(_DatasetSpec(dataset_id, blob, worker_names), iterator_id)
+    return PerWorkerIterator(_DatasetSpec(dataset_id, blob, worker_names, stops), iterator_id)
 
 
 class PerWorkerDataset:
@@ -124,9 +125,14 @@ class PerWorkerDataset:
     Made by ``ClusterCoordinator.create_per_worker_dataset``. Each ``iter()``
     gives a fresh iterator on every worker. Dropping it (or closing the
     strategy) frees it everywhere.
+
+    ``keep`` is held as long as the dataset (the partitions of a
+    ``dps.data.from_dask`` input); with ``stops`` the end of an iterator
+    raises ``StopIteration`` in the scheduled function.
     """
 
-    def __init__(self, coordinator: Any, dataset_fn: Callable[..., Any]):
+    def __init__(self, coordinator: Any, dataset_fn: Callable[..., Any], *, keep: Any = None,
+                 stops: bool = False):
         if not callable(dataset_fn):
             raise TypeError(
                 "dataset_fn must be a callable returning an iterable, got "
@@ -141,8 +147,9 @@ class PerWorkerDataset:
         protocol.put_blob(server, key, blob, strategy._group)
         held = refs.owned(server, key, f"<dataset {dataset_id}>", strategy._group)
         held.recipe = ("blob", blob)
-        self._spec = _DatasetSpec(dataset_id, held, _trainers_now(strategy))
+        self._spec = _DatasetSpec(dataset_id, held, _trainers_now(strategy), stops)
         self._fn = dataset_fn  # whatever it captured stays alive as long as the dataset
+        self._keep = keep
         self._iterators = 0
         self._lock = threading.Lock()
         strategy._datasets.add(self)
@@ -158,6 +165,7 @@ class PerWorkerDataset:
 
     def _release(self) -> None:
         """Forget the dataset on every worker now (``strategy.close``)."""
+        self._keep = None
         pending = self._forget.detach()
         if pending is not None:
             client, dataset_id, _ = pending[2]
@@ -245,6 +253,9 @@ class _WorkerState:
             try:
                 return next(it)
             except StopIteration:
+                if spec.stops:
+                    raise StopIteration(f"per-worker iterator {iterator_id} is exhausted on worker "
+                                        f"{self.worker.name!r}") from None
                 raise OutOfRangeError(
                     f"per-worker iterator {iterator_id} is exhausted on worker "
                     f"{self.worker.name!r}; create a new one with iter(dataset)"

@@ -1,0 +1,261 @@
+"""``dps.data.from_dask``: Dask collections read by the trainers holding their partitions."""
+
+import gc
+import time
+
+import dask.array as da
+import dask.dataframe as dd
+import numpy as np
+import pandas as pd
+import pytest
+from distributed import get_worker, wait
+
+import daskps as dps
+from daskps.coordinator.dask_input import assign
+from daskps.errors import OutOfRangeError
+
+from .conftest import kill_worker, wait_for_worker
+
+ROWS = 100_000
+
+
+def _where_and_next(iterator):
+    batch = next(iterator, None)
+    if batch is None:
+        time.sleep(0.05)  # a trainer that is done is slow, so the other one gets the next functions
+    return get_worker().name, batch
+
+
+def _read_all(coordinator, it, per_round=40, rounds=40):
+    """Schedule reads until every trainer has said its data is done: ``{trainer: [batch, ...]}``."""
+    seen: dict[str, list] = {}
+    finished: set[str] = set()
+    for _ in range(rounds):
+        for name, batch in coordinator.fetch([coordinator.schedule(_where_and_next, args=(it,))
+                                              for _ in range(per_round)]):
+            if batch is None:
+                finished.add(name)
+            else:
+                seen.setdefault(name, []).append(batch)
+        if finished == {"worker-0", "worker-1"}:
+            return seen
+    raise AssertionError(f"only {finished} reached the end")
+
+
+@pytest.fixture(scope="module")
+def frame():
+    return dd.from_pandas(pd.DataFrame({"id": np.arange(ROWS), "x": np.arange(ROWS) * 0.5}), npartitions=10)
+
+
+def _all_ids(seen):
+    return np.sort(np.concatenate([b["id"] for batches in seen.values() for b in batches]))
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_every_id_is_read_once_over_both_trainers(coordinator, frame, shuffle):
+    ds = coordinator.create_per_worker_dataset(dps.data.from_dask(frame, batch_size=1000, shuffle=shuffle))
+    seen = _read_all(coordinator, iter(ds))
+    assert np.array_equal(_all_ids(seen), np.arange(ROWS))
+    assert set(seen) == {"worker-0", "worker-1"}  # both trainers read a share
+    ordered = all(np.all(np.diff(np.concatenate([b["id"] for b in bs])) > 0) for bs in seen.values())
+    assert ordered != shuffle
+
+
+def test_batches_are_dicts_of_numpy_columns(coordinator, frame):
+    it = iter(coordinator.create_per_worker_dataset(dps.data.from_dask(frame, batch_size=64)))
+    batch = coordinator.schedule(lambda i: next(i), args=(it,)).fetch()
+    assert set(batch) == {"id", "x"}
+    assert isinstance(batch["id"], np.ndarray) and batch["id"].shape == (64,)
+    assert np.array_equal(batch["x"], batch["id"] * 0.5)
+
+
+def test_a_seed_repeats_the_order(coordinator, frame):
+    ds = coordinator.create_per_worker_dataset(dps.data.from_dask(frame, batch_size=1000, shuffle=True, seed=7))
+    first, second = _read_all(coordinator, iter(ds)), _read_all(coordinator, iter(ds))
+    for name in first:
+        assert np.array_equal(np.concatenate([b["id"] for b in first[name]]),
+                              np.concatenate([b["id"] for b in second[name]]))
+
+
+def test_array_and_labels_tuple(coordinator):
+    x = da.arange(2000 * 3, chunks=600 * 3).reshape(2000, 3).rechunk((500, 3))
+    y = da.arange(2000, chunks=500)
+    ds = coordinator.create_per_worker_dataset(dps.data.from_dask((x, y), batch_size=128, drop_remainder=True))
+
+    out = [batch for batches in _read_all(coordinator, iter(ds)).values() for batch in batches]
+    for xb, yb in out:
+        assert xb.shape == (128, 3) and yb.shape == (128,)
+        assert np.array_equal(xb[:, 0], yb * 3)
+    assert len(np.unique(np.concatenate([yb for _, yb in out]))) == 128 * len(out)
+
+
+def test_the_end_is_stop_iteration_inside_and_out_of_range_outside(coordinator):
+    x = da.arange(10, chunks=5)
+    it = iter(coordinator.create_per_worker_dataset(dps.data.from_dask(x, batch_size=5, epochs=2)))
+    for _ in range(12):
+        coordinator.schedule(lambda i: next(i), args=(it,))
+    with pytest.raises(OutOfRangeError, match="exhausted"):
+        coordinator.join()
+    assert coordinator.schedule(lambda i: next(i, "end"), args=(it,)).fetch() == "end"
+
+
+def _transfers(client):
+    return client.run(lambda dask_worker: dask_worker.transfer_outgoing_count_total, workers=None)
+
+
+def test_persisted_partitions_are_read_where_they_lie(client, coordinator):
+    trainers = [addr for _, addr in coordinator.strategy.cluster_resolver.training_workers()]
+    parts = [client.persist(da.arange(i * 1000, (i + 1) * 1000, chunks=1000), workers=[trainers[i % 2]])
+             for i in range(6)]
+    x = client.persist(da.concatenate(parts))
+    wait(x)
+    before = _transfers(client)
+    ds = coordinator.create_per_worker_dataset(dps.data.from_dask(x, batch_size=500))
+    seen = _read_all(coordinator, iter(ds))
+    assert np.array_equal(np.sort(np.concatenate([b for bs in seen.values() for b in bs])), np.arange(6000))
+    assert _transfers(client) == before  # no worker served a partition to another
+    held = client.who_has(x)
+    for name, batches in seen.items():
+        addr = dict(coordinator.strategy.cluster_resolver.training_workers())[name]
+        mine = {int(k[1]) for k, where in held.items() if addr in where}
+        assert {int(b[0]) // 1000 for b in batches} <= mine
+
+
+def test_partitions_held_elsewhere_are_fetched_once(client, coordinator):
+    trainers = dict(coordinator.strategy.cluster_resolver.training_workers())
+    x = client.persist(da.arange(6000, chunks=1000), workers=[trainers["worker-0"]])  # all on worker-0
+    wait(x)
+    before = _transfers(client)
+    ds = coordinator.create_per_worker_dataset(dps.data.from_dask(x, batch_size=500, epochs=3))
+    seen = _read_all(coordinator, iter(ds))
+    ids = np.sort(np.concatenate([b for bs in seen.values() for b in bs]))
+    assert np.array_equal(ids, np.repeat(np.arange(6000), 3))
+    assert {name: len(bs) for name, bs in seen.items()} == {"worker-0": 18, "worker-1": 18}  # balanced by rows
+    after = _transfers(client)
+    assert after[trainers["worker-0"]] - before[trainers["worker-0"]] == 3  # 3 partitions moved, each sent once
+
+
+def test_a_dropped_dataset_frees_its_partitions(client, coordinator):
+    x = da.random.random((4000, 2), chunks=(1000, 2))
+    ds = coordinator.create_per_worker_dataset(dps.data.from_dask(x, batch_size=100))
+    it = iter(ds)
+    coordinator.schedule(lambda i: next(i), args=(it,)).fetch()
+
+    def held(dask_scheduler, name=x.name):
+        return sum(1 for k in dask_scheduler.tasks if isinstance(k, tuple) and k[0] == name)
+
+    assert client.run_on_scheduler(held) == 4
+    dataset_id = ds._spec.dataset_id
+
+    def built(dask_worker):
+        state = getattr(dask_worker, "_daskps_state", None)
+        return state is not None and dataset_id in state.datasets
+
+    assert any(client.run(built).values())
+    del ds, it
+    gc.collect()
+    deadline = time.monotonic() + 20
+    while client.run_on_scheduler(held) or any(client.run(built).values()):
+        assert time.monotonic() < deadline, "the partitions, or the trainers' readers, were not released"
+        time.sleep(0.1)
+
+
+def _held_keys(client, name):
+    return client.run_on_scheduler(
+        lambda dask_scheduler: sum(1 for k in dask_scheduler.tasks if isinstance(k, tuple) and k[0] == name))
+
+
+def test_closing_the_strategy_frees_the_partitions(client):
+    strategy = dps.ParameterServerStrategy(client)
+    coordinator = dps.ClusterCoordinator(strategy)
+    x = da.random.random(3000, chunks=1000)
+    ds = coordinator.create_per_worker_dataset(dps.data.from_dask(x, batch_size=100))
+    coordinator.schedule(lambda i: next(i), args=(iter(ds),)).fetch()
+    assert _held_keys(client, x.name) == 3
+    strategy.close()
+    deadline = time.monotonic() + 20
+    while _held_keys(client, x.name):
+        assert time.monotonic() < deadline, "closing the strategy did not release the partitions"
+        time.sleep(0.1)
+
+
+def test_a_collection_persisted_by_the_user_stays_persisted(client, coordinator):
+    x = client.persist(da.random.random(2000, chunks=1000))
+    ds = coordinator.create_per_worker_dataset(dps.data.from_dask(x, batch_size=100))
+    coordinator.schedule(lambda i: next(i), args=(iter(ds),)).fetch()
+    del ds
+    gc.collect()
+    time.sleep(0.5)
+    assert _held_keys(client, x.name) == 2
+    assert np.asarray(x).shape == (2000,)
+
+
+def test_epochs_none_repeats_forever(coordinator):
+    x = da.arange(100, chunks=50)
+    it = iter(coordinator.create_per_worker_dataset(dps.data.from_dask(x, batch_size=50, epochs=None)))
+    out = coordinator.fetch([coordinator.schedule(lambda i: next(i), args=(it,)) for _ in range(30)])
+    assert len(out) == 30 and all(b.shape == (50,) for b in out)
+
+
+def test_a_trainer_with_nothing_to_read_ends_even_when_repeating_forever(coordinator):
+    x = da.arange(100, chunks=100)  # one partition: one trainer reads nothing
+    it = iter(coordinator.create_per_worker_dataset(dps.data.from_dask(x, batch_size=50, epochs=None)))
+    seen = {}
+    for _ in range(20):
+        for name, batch in coordinator.fetch([coordinator.schedule(_where_and_next, args=(it,)) for _ in range(20)]):
+            seen.setdefault(name, set()).add(batch is None)
+        if len(seen) == 2:
+            break
+    assert sorted(seen.values(), key=lambda v: sorted(v)) == [{False}, {True}]  # one repeats, one always ends
+
+
+def test_a_dict_of_a_frame_and_an_array(coordinator):
+    frame = dd.from_pandas(pd.DataFrame({"id": np.arange(1000)}), npartitions=2)
+    labels = da.arange(1000, chunks=500) * 2
+    ds = coordinator.create_per_worker_dataset(dps.data.from_dask({"x": frame, "y": labels}, batch_size=100))
+    batches = [b for bs in _read_all(coordinator, iter(ds)).values() for b in bs]
+    assert len(batches) == 10
+    for b in batches:
+        assert set(b) == {"x", "y"} and np.array_equal(b["y"], b["x"]["id"] * 2)
+
+
+def test_partitions_go_to_their_holders_balanced_by_rows():
+    owners, moved = assign([100, 100, 100, 100], [{"a"}, {"a"}, {"a"}, {"b"}], ["a", "b"])
+    assert sorted(len(v) for v in owners.values()) == [2, 2] and moved == 1
+    owners, moved = assign([10, 10], [{"a"}, {"b"}], ["a", "b"])
+    assert owners == {"a": [0], "b": [1]} and moved == 0
+
+
+def test_bad_input_is_refused(coordinator):
+    pdf = pd.DataFrame({"id": range(10)})
+    with pytest.raises(TypeError, match="collection must be a dask DataFrame.*pandas.DataFrame"):
+        dps.data.from_dask(pdf, batch_size=2)
+    with pytest.raises(ValueError, match=r"collection\[1\] must have the same partitions"):
+        dps.data.from_dask((da.ones(10, chunks=5), da.ones(10, chunks=2)), batch_size=2)
+    with pytest.raises(ValueError, match=r"collection\['y'\] must have the same rows per partition"):
+        dps.data.from_dask({"x": da.ones(10, chunks=(5, 5)), "y": da.ones(10, chunks=(4, 6))}, batch_size=2)
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1, got 0"):
+        dps.data.from_dask(da.ones(10, chunks=5), batch_size=0)
+    with pytest.raises(ValueError, match="chunked along axis 0 only.*axis 1"):
+        dps.data.from_dask(da.ones((10, 4), chunks=(5, 2)), batch_size=2)
+    with pytest.raises(ValueError, match="epochs must be"):
+        dps.data.from_dask(da.ones(10, chunks=5), batch_size=2, epochs=0)
+
+
+def test_misaligned_frame_partitions_are_refused_once_counted(coordinator):
+    a = dd.from_pandas(pd.DataFrame({"id": range(100)}), npartitions=2)
+    b = dd.from_pandas(pd.DataFrame({"y": range(100)}), npartitions=2).repartition(divisions=[0, 30, 99])
+    with pytest.raises(ValueError, match=r"collection\[1\] must have the same rows per partition"):
+        coordinator.create_per_worker_dataset(dps.data.from_dask((a, b), batch_size=10))
+
+
+def test_a_restarted_trainer_reads_its_share_again(fresh_cluster):
+    cluster, client = fresh_cluster
+    coordinator = dps.ClusterCoordinator(dps.ParameterServerStrategy(client))
+    frame = dd.from_pandas(pd.DataFrame({"id": np.arange(20_000)}), npartitions=4)
+    ds = coordinator.create_per_worker_dataset(dps.data.from_dask(frame, batch_size=1000))
+    _read_all(coordinator, iter(ds))
+    old = kill_worker(client, "worker-1")  # its partitions die with it
+    wait_for_worker(client, "worker-1", old)
+    seen = _read_all(coordinator, iter(ds))  # Dask recomputes them for the new worker-1
+    assert np.array_equal(_all_ids(seen), np.arange(20_000))
