@@ -1,6 +1,10 @@
 """``dps.data.from_dask``: Dask collections read by the trainers holding their partitions."""
 
 import gc
+import pathlib
+import re
+import subprocess
+import sys
 import time
 
 import dask.array as da
@@ -259,3 +263,16 @@ def test_a_restarted_trainer_reads_its_share_again(fresh_cluster):
     wait_for_worker(client, "worker-1", old)
     seen = _read_all(coordinator, iter(ds))  # Dask recomputes them for the new worker-1
     assert np.array_equal(_all_ids(seen), np.arange(20_000))
+
+
+def test_the_parquet_example_runs_and_its_loss_falls(cluster):
+    script = pathlib.Path(__file__).resolve().parent.parent / "examples" / "train_from_parquet.py"
+    cmd = [sys.executable, str(script), "--rows", "8000", "--test-rows", "2000", "--epochs", "3", "--batch-size", "64",
+           "--scheduler", cluster.scheduler_address]  # the shared cluster: starting one would take most of the time
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    held_out = [float(v) for v in re.findall(r"^held-out \w+ training: loss ([\d.]+)", out.stdout, flags=re.M)]
+    rounds = [float(v) for v in re.findall(r"^train round \d+: \d+ steps, mean loss ([\d.]+)$", out.stdout, flags=re.M)]
+    assert len(held_out) == 2 and len(rounds) >= 3, out.stdout
+    assert held_out[1] < 0.5 * held_out[0], out.stdout  # log(4) = 1.386 before
+    assert rounds[2] < rounds[0], out.stdout
