@@ -337,7 +337,17 @@ class Stream:
             if r.shuffle else r.batch_size
         pool: list[Any] | None = None
         for i in order:
-            pool = self._load(i) if pool is None else [_concat(a, b) for a, b in zip(pool, self._load(i))]
+            part = self._load(i)
+            if pool is None or not _rows(pool[0]):
+                pool = part
+            elif not r.shuffle and _rows(pool[0]) + _rows(part[0]) >= r.batch_size:
+                # The rows left over make one batch with this partition's head: copying those
+                # rows, not the whole partition (the rest are batched as views).
+                need = r.batch_size - _rows(pool[0])
+                yield self._batch([_concat(a, _slice(b, 0, need)) for a, b in zip(pool, part)])
+                pool = [_slice(b, need, _rows(b)) for b in part]
+            else:
+                pool = [_concat(a, b) for a, b in zip(pool, part)]
             if _rows(pool[0]) >= window:
                 pool = yield from self._emit(pool, rng, keep_tail=True)
         if pool is not None and _rows(pool[0]):
