@@ -379,16 +379,21 @@ class Stream:
         """Partition ``i`` of every component, as numpy (a dict of columns for a DataFrame)."""
         if i in self.fetched:
             return self.fetched[i]
-        client = get_client()
         if self.futures is None:
             # Futures from the scheduler, not made from keys here: with them the worker's client
             # hears of a partition Dask recomputes after its worker died.
-            self.futures = client.get_dataset(self.reader.published)
+            self.futures = get_client().get_dataset(self.reader.published)
         futures = self.futures[i]
-        local = all(f.key in get_worker().data for f in futures)
-        # The worker's client reads keys this worker holds from its own memory, the others
-        # straight from the workers holding them.
-        values = client.gather(list(futures))
+        data = get_worker().data
+        try:
+            # Partitions this worker holds are read from its memory here, in the task's thread
+            # (the worker's mappings are thread-safe: a dict, or zict's, locked since zict 3),
+            # not through a round trip to the worker's event loop (~0.6 ms each).
+            values, local = [data[f.key] for f in futures], True
+        except KeyError:
+            # The worker's client reads the keys this worker holds from its own memory, the
+            # others straight from the workers holding them.
+            values, local = get_client().gather(list(futures)), False
         out = [_to_numpy(v) for v in values]
         if not local:
             self.fetched[i] = out
