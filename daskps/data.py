@@ -1,10 +1,10 @@
 """``dps.data``: Dask DataFrames and Arrays as per-worker input.
 
-See :mod:`daskps.coordinator.dask_input`.
+See :mod:`daskps.distribute.dask_data` (the collection) and :mod:`daskps.coordinator.dask_input` (the trainers).
 """
 
 from __future__ import annotations
 
-from daskps.coordinator.dask_input import DaskInput, from_dask
+from daskps.distribute.dask_data import DaskInput, from_dask
 
 __all__ = ["DaskInput", "from_dask"]

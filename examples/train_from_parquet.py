@@ -7,8 +7,9 @@ a training split and a held-out one, and reads them back with
 partitions it holds: every trainer reads its own share, shuffled, for
 ``--epochs`` passes, and ``next(iterator, None)`` says when its share is done.
 A softmax classifier (numpy gradients, variables on the parameter servers)
-learns the teacher; the held-out split is then read once through
-``from_dask`` to measure loss and accuracy.
+learns the teacher; the held-out split is then evaluated exactly once
+(``exactly_once=True``: one queue of batches for the whole cluster, every
+row counted once even if a trainer dies midway) to measure loss and accuracy.
 
     python examples/train_from_parquet.py                                  # a local cluster
     python examples/train_from_parquet.py --scheduler tcp://host:8786      # an existing cluster
@@ -115,21 +116,24 @@ def main(argv=None) -> None:
             return get_worker().name, float(loss)
 
         def eval_step(iterator):
-            batch = next(iterator, None)
+            batch = next(iterator, None)  # None once every batch of the pass has been handed out
             if batch is None:
-                return get_worker().name, None
+                return None
             x, y = features_and_labels(batch)
             loss, _, _, right = softmax_loss_and_grads(*dps.read_values([w, b]), x, y)
-            return get_worker().name, (float(loss) * len(y), right, len(y))
+            return float(loss) * len(y), right, len(y)
 
         def evaluate() -> tuple[float, float]:
-            # Plain evaluation: each trainer reads its share of the held-out split once (epochs=1).
-            # Exactly-once evaluation (TensorFlow's visitation guarantee when a trainer fails
-            # midway, its batches neither lost nor counted twice) is not built yet: a trainer
-            # lost during this loop leaves its share partly read.
-            data = dps.data.from_dask(test, batch_size=args.batch_size, epochs=1)
+            # Exactly once: the batches come from one queue for the whole cluster, one per call. A
+            # function whose trainer dies runs again and gets the same batch, so once a round has
+            # seen the end, every held-out row is in exactly one result fetched here.
+            data = dps.data.from_dask(test, batch_size=args.batch_size, exactly_once=True)
             it = iter(coordinator.create_per_worker_dataset(data))
-            out = [r for rs in run_until_every_trainer_is_done(coordinator, eval_step, it, trainers, 16) for r in rs]
+            out, done = [], False
+            while not done:
+                results = coordinator.fetch([coordinator.schedule(eval_step, args=(it,)) for _ in range(16)])
+                out += [r for r in results if r is not None]
+                done = None in results
             total, right, n = (sum(col) for col in zip(*out))
             assert n == args.test_rows, (n, args.test_rows)  # every held-out row read once
             return total / n, right / n

@@ -156,11 +156,17 @@ def test_a_dropped_dataset_frees_its_partitions(client, coordinator):
         return state is not None and dataset_id in state.datasets
 
     assert any(client.run(built).values())
+    name = ds._keep.name
+
+    def ledger(dask_scheduler):
+        return name in dask_scheduler.plugins["daskps"].inputs
+
+    assert client.run_on_scheduler(ledger)
     del ds, it
     gc.collect()
     deadline = time.monotonic() + 20
-    while client.run_on_scheduler(held) or any(client.run(built).values()):
-        assert time.monotonic() < deadline, "the partitions, or the trainers' readers, were not released"
+    while client.run_on_scheduler(held) or any(client.run(built).values()) or client.run_on_scheduler(ledger):
+        assert time.monotonic() < deadline, "the partitions, the trainers' readers or the ledger were not released"
         time.sleep(0.1)
 
 

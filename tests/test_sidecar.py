@@ -61,3 +61,66 @@ def test_timeout_and_argument_checks(tmp_path):
         dps.SidecarEvaluator(evaluate, str(tmp_path))
     with pytest.raises(TypeError, match="eval_fn"):
         dps.SidecarEvaluator("nope", str(tmp_path), until=1)
+
+
+def count_ids(path: str, batches) -> dict:
+    """Metrics from every batch of the pass: which ids came, in how many batches, where."""
+    ids = [b["id"] for b in batches]
+    try:
+        where = get_worker().name
+    except ValueError:
+        where = "local"
+    seen = np.concatenate(ids)
+    return {"n": len(seen), "distinct": len(np.unique(seen)), "sum": int(seen.sum()), "batches": len(ids),
+            "where": where}
+
+
+def test_evaluates_a_from_dask_dataset_on_the_evaluator_reading_every_row_once(with_evaluator, tmp_path):
+    import dask.dataframe as dd
+    import pandas as pd
+
+    w = dps.Variable(np.ones(3, np.float32))
+    dps.CheckpointManager(dps.Checkpoint(w=w), str(tmp_path)).save()
+    frame = dd.from_pandas(pd.DataFrame({"id": np.arange(10_000)}), npartitions=7)
+    data = dps.data.from_dask(frame, batch_size=256, shuffle=True, seed=1)
+    sidecar = dps.SidecarEvaluator(count_ids, str(tmp_path), with_evaluator, max_evaluations=1, poll_interval=0.01,
+                                   data=data)
+    (_, metrics), = sidecar.run()
+    assert metrics == {"n": 10_000, "distinct": 10_000, "sum": 10_000 * 9_999 // 2, "batches": 40,
+                       "where": "evaluator-0"}
+    # Persisted on the evaluator: every partition lives there.
+    name = sidecar._published
+    held = with_evaluator.who_has([f for fs in with_evaluator.get_dataset(name) for f in fs])
+    evaluator = next(a for a, w in with_evaluator.scheduler_info()["workers"].items() if w["name"] == "evaluator-0")
+    assert all(list(where) == [evaluator] for where in held.values()), (held, evaluator)
+
+
+def test_evaluates_a_from_dask_dataset_here_without_an_evaluator(client, tmp_path):
+    import dask.array as da
+
+    w = dps.Variable(np.ones(3, np.float32))
+    dps.CheckpointManager(dps.Checkpoint(w=w), str(tmp_path)).save()
+    x = da.arange(1000, chunks=300)
+
+    def total(path, batches):
+        got = list(batches)
+        return {"sum": int(sum(b.sum() for b in got)), "sizes": [len(b) for b in got]}
+
+    data = dps.data.from_dask(x, batch_size=128, epochs=2, drop_remainder=True)
+    (_, metrics), = dps.SidecarEvaluator(total, str(tmp_path), client, max_evaluations=1, poll_interval=0.01,
+                                         data=data).run()
+    assert metrics["sizes"] == [128] * 14  # 7 whole batches an epoch, batched across partition ends
+    assert metrics["sum"] == 2 * sum(range(896))
+
+
+def test_data_arguments_are_checked(client, tmp_path):
+    import dask.array as da
+
+    x = da.arange(10, chunks=5)
+    with pytest.raises(TypeError, match=r"data must be made by dps.data.from_dask\(...\), got Array"):
+        dps.SidecarEvaluator(count_ids, str(tmp_path), client, max_evaluations=1, data=x)
+    with pytest.raises(ValueError, match="data needs client"):
+        dps.SidecarEvaluator(count_ids, str(tmp_path), max_evaluations=1, data=dps.data.from_dask(x, batch_size=2))
+    with pytest.raises(ValueError, match="data must have a number of epochs"):
+        dps.SidecarEvaluator(count_ids, str(tmp_path), client, max_evaluations=1,
+                             data=dps.data.from_dask(x, batch_size=2, epochs=None))

@@ -37,7 +37,7 @@ from distributed.worker import get_worker
 
 from daskps._core.nest import map_structure
 from daskps._core.pickling import FunctionCache
-from daskps.coordinator.datasets import PerWorkerValues, local_worker_index
+from daskps.coordinator.datasets import PerWorkerValues, local_worker_index, running_function
 from daskps.distribute.context import scheduled_function
 from daskps.errors import OutOfRangeError
 from daskps.ps import pipeline, protocol, refs
@@ -80,7 +80,8 @@ def run_batch(strategy_blob: bytes, topic: str, batch_key: str, batch: bytes) ->
             pipe.function = cid
             generation = generation_known(strategy._token)
             started = time.perf_counter()
-            status, payload, value = _run_one(strategy, blob)
+            with running_function(cid):
+                status, payload, value = _run_one(strategy, blob)
             took = time.perf_counter() - started
             pipe.function = None
             if status == BIG:

@@ -623,7 +623,8 @@ class ClusterCoordinator:
             self._strategy._check_open("create_per_worker_dataset")
             resolver = self._strategy.cluster_resolver
             assert resolver is not None
-            reader, futures = dask_dataset(self._strategy.client, dataset_fn, resolver.training_workers())
+            reader, futures = dask_dataset(self._strategy.client, dataset_fn, resolver.training_workers(),
+                                           resolver.worker_resource)
             return PerWorkerDataset(self, reader, keep=futures, stops=True)
         return PerWorkerDataset(self, dataset_fn)
 

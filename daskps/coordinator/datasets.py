@@ -15,6 +15,8 @@ stored function is released and every worker forgets the dataset.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import inspect
 import pickle
@@ -267,12 +269,15 @@ class _WorkerState:
             built = self.datasets[spec.dataset_id] = _Built(spec.worker_names)
         it = built.iterators.get(iterator_id)
         if it is None:
-            it = built.iterators[iterator_id] = self._new_iterator(built, spec)
+            it = built.iterators[iterator_id] = self._new_iterator(built, spec, iterator_id)
             while len(built.iterators) > MAX_ITERATORS_PER_DATASET:
                 built.iterators.popitem(last=False)
         return it
 
-    def _new_iterator(self, built: _Built, spec: _DatasetSpec) -> Iterator[Any]:
+    def _new_iterator(self, built: _Built, spec: _DatasetSpec, iterator_id: int) -> Iterator[Any]:
+        own = getattr(built.dataset, "daskps_iterator", None)  # a dps.data input: one per iterator id
+        if own is not None:
+            return own(iterator_id)
         if built.dataset is not None:
             it = iter(built.dataset)
             if it is not built.dataset:  # re-iterable: a fresh pass
@@ -280,7 +285,8 @@ class _WorkerState:
         if built.fn is None:
             built.fn = pickle.loads(protocol.get_blob(spec.blob.server, spec.blob.key))
         built.dataset = self._build(built.fn, built.worker_names)
-        return iter(built.dataset)
+        own = getattr(built.dataset, "daskps_iterator", None)
+        return own(iterator_id) if own is not None else iter(built.dataset)
 
     def _build(self, fn: Callable[..., Any], worker_names: tuple[str, ...]) -> Any:
         ctx = InputContext(num_input_pipelines=len(worker_names), input_pipeline_id=self.index(worker_names))
@@ -318,6 +324,34 @@ class _WorkerState:
         free = [i for i, n in enumerate(worker_names) if n not in live]
         rank = newcomers.index(name) if name in newcomers else 0
         return free[rank] if rank < len(free) else len(worker_names) + rank
+
+
+# On a trainer, the scheduled function running in this thread: its id and the ``next`` calls it made
+# so far on each iterator (an exactly-once input hands a function that runs again the same batches).
+_RUNNING: contextvars.ContextVar[tuple[int, dict[int, int]] | None] = contextvars.ContextVar(
+    "daskps_running_function", default=None)
+
+
+@contextlib.contextmanager
+def running_function(function_id: int) -> Iterator[None]:
+    """Mark the scheduled function ``function_id`` as running in this thread (on a trainer)."""
+    token = _RUNNING.set((function_id, {}))
+    try:
+        yield
+    finally:
+        _RUNNING.reset(token)
+
+
+def call_position(iterator: object) -> tuple[int | None, int]:
+    """``(function id, n)``: this is the ``n``-th ``next`` on ``iterator`` by the running function
+    (``(None, 0)`` outside one)."""
+    running = _RUNNING.get()
+    if running is None:
+        return None, 0
+    function_id, counts = running
+    n = counts.get(id(iterator), 0)
+    counts[id(iterator)] = n + 1
+    return function_id, n
 
 
 def _state(worker: Any) -> _WorkerState:

@@ -25,11 +25,13 @@ from distributed.protocol.pickle import dumps
 
 from daskps.ps import protocol
 from daskps.ps.group import parse_server_key
+from daskps.ps.ledger import InputLedger
 
 PLUGIN_NAME = "daskps"
 BATCH_TOPIC_PREFIX = "daskps-batches-"
 REPORTED_HANDLER = "daskps_reported"
 TRAINERS_HANDLER = "daskps_trainers"
+INPUT_HANDLER = "daskps_input_claim"
 # Logged on a strategy's batch topic when the worker of one of its servers leaves: [LOST, [actor keys]].
 LOST = "daskps-lost-servers"
 
@@ -49,11 +51,13 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
         self.replaced: dict[str, str] = {}  # actor key of a lost server -> the server that took its place
         self.moves: dict[str, tuple] = {}  # actor key of a lost server -> the new server (a ServerRef's fields)
         self.hosts: dict[str, str] = {}  # actor key -> worker address, until the key is forgotten
+        self.inputs: dict[str, InputLedger] = {}  # dps.data datasets: who reads which partition or batch
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
         scheduler.handlers[REPORTED_HANDLER] = self.batch_reported
         scheduler.handlers[TRAINERS_HANDLER] = self.count_workers_with
+        scheduler.handlers[INPUT_HANDLER] = self.input_claim
         for key, ts in scheduler.tasks.items():  # servers made before the plugin
             if parse_server_key(key) and ts.who_has:
                 self.servers[key] = next(iter(ts.who_has)).address
@@ -107,11 +111,23 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
         """How many live workers hold ``resource`` (the coordinator sizes its batches by it)."""
         return sum(1 for amount in self.scheduler.resources.get(resource, {}).values() if amount > 0)
 
+    def input_claim(self, dataset: str, iterator: int, name: str, address: str, function: int | None = None,
+                    n: int = 0, want: int = 1, started: list[int] | None = None) -> dict[str, Any]:
+        """Asked by a trainer reading a ``dps.data`` dataset: its next partitions (or batch, exactly once)."""
+        ledger = self.inputs.get(dataset)
+        if ledger is None:
+            return {"gone": True}
+        if ledger.exactly_once:
+            return ledger.claim_batch(self.scheduler, iterator, name, address, function, n)
+        return ledger.claim(self.scheduler, iterator, name, address, want, started or ())
+
     def server_refs(self) -> list[protocol.ServerRef]:
         return [protocol.ServerRef(address, key, parse_server_key(key)[0])  # type: ignore[index]
                 for key, address in sorted(self.servers.items())]
 
     def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:
+        for ledger in self.inputs.values():
+            ledger.lost(worker)
         servers = [s for s in self.server_refs() if s.address != worker]
         if servers:
             asyncio.ensure_future(protocol.forget_place_async(scheduler.rpc, servers, worker))
@@ -161,6 +177,18 @@ def move_cleanups(old_key: str, new_key: str, dask_scheduler: Any = None) -> Non
     moved = plugin.cleanups.pop(old_key, None)
     if moved:
         plugin.cleanups.setdefault(new_key, {}).update(moved)
+
+
+def open_input(dataset: str, ledger: InputLedger, dask_scheduler: Any = None) -> None:
+    """Keep the ledger of a new ``dps.data`` dataset (with ``client.run_on_scheduler``)."""
+    dask_scheduler.plugins[PLUGIN_NAME].inputs[dataset] = ledger
+
+
+def close_input(dataset: str, dask_scheduler: Any = None) -> None:
+    """Forget a dropped ``dps.data`` dataset's ledger."""
+    plugin = dask_scheduler.plugins.get(PLUGIN_NAME)
+    if plugin is not None:
+        plugin.inputs.pop(dataset, None)
 
 
 def install_plugin(client: Any) -> None:

@@ -8,6 +8,13 @@ resource ``evaluator`` when the cluster has one (``dask worker ...
 --resources evaluator=1``, or ``LocalPSCluster(num_evaluators=1)``), so
 evaluation never slows the coordinator; otherwise it runs in this process.
 
+With ``data=dps.data.from_dask(collection, batch_size)`` it calls
+``eval_fn(checkpoint_path, batches)`` instead: ``batches`` iterates over
+one pass of the collection (``epochs`` passes if given), which is persisted
+on the evaluator worker once and read there from memory (or fetched from
+wherever it was persisted already), so every row is read exactly once per
+evaluation.
+
 Like TensorFlow's sidecar evaluator it evaluates the latest checkpoint each
 time, skipping any it fell behind on, and stops after the checkpoint
 numbered ``until`` (save with ``manager.save(checkpoint_number=step)`` to
@@ -16,15 +23,28 @@ make that a training step) or after ``max_evaluations``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
+import uuid
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import fsspec
+from distributed import get_client, get_worker
 
 from daskps.distribute.cluster import cluster_workers
+from daskps.distribute.dask_data import (
+    DaskInput,
+    one_pass,
+    partition_futures,
+    read_partition,
+    rows_per_partition,
+    to_numpy,
+    unpublish_later,
+)
 from daskps.training.checkpoint import committed_numbers
 
 __all__ = ["SidecarEvaluator"]
@@ -38,7 +58,8 @@ class SidecarEvaluator:
     Parameters
     ----------
     eval_fn : callable
-        Takes a checkpoint path, returns a dict of metric values.
+        Takes a checkpoint path (and, with ``data``, an iterable of batches),
+        returns a dict of metric values.
     checkpoint_dir : str
         The directory a ``CheckpointManager`` writes to.
     client : distributed.Client, optional
@@ -55,6 +76,8 @@ class SidecarEvaluator:
         As given to the ``CheckpointManager`` (default ``"ckpt"``).
     log : callable, optional
         Called with one line per evaluation (default: the ``daskps.sidecar`` logger).
+    data : ``dps.data.from_dask(...)`` input, optional
+        Evaluate on this Dask collection: ``eval_fn(path, batches)``. Needs ``client``.
 
     Examples
     --------
@@ -67,11 +90,19 @@ class SidecarEvaluator:
     >>> sidecar.join()                                               # doctest: +SKIP
     """
 
-    def __init__(self, eval_fn: Callable[[str], dict], checkpoint_dir: str, client: Any = None, *,
+    def __init__(self, eval_fn: Callable[..., dict], checkpoint_dir: str, client: Any = None, *,
                  until: int | None = None, max_evaluations: int | None = None, poll_interval: float = 1.0,
-                 timeout: float | None = None, checkpoint_name: str = "ckpt", log: Callable[[str], Any] | None = None):
+                 timeout: float | None = None, checkpoint_name: str = "ckpt", log: Callable[[str], Any] | None = None,
+                 data: DaskInput | None = None):
         if not callable(eval_fn):
             raise TypeError(f"eval_fn must be callable, got {type(eval_fn).__name__}")
+        if data is not None:
+            if not isinstance(data, DaskInput):
+                raise TypeError(f"data must be made by dps.data.from_dask(...), got {type(data).__name__}")
+            if client is None:
+                raise ValueError("data needs client: the Dask client of the cluster that reads the collection")
+            if data.epochs is None:
+                raise ValueError("data must have a number of epochs (an evaluation is one pass), got epochs=None")
         for arg, value in (("until", until), ("max_evaluations", max_evaluations)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{arg} must be a positive int or None, got {value!r}")
@@ -89,19 +120,48 @@ class SidecarEvaluator:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.results: list[tuple[str, dict]] = []
+        self._data = data
+        self._published: str | None = None  # the name of the data's partitions, published on the scheduler
+        self._held: list[Any] = []  # their futures: kept while this evaluator lives
 
-    def _on_evaluator(self) -> bool:
+    def _evaluators(self) -> list[str]:
+        """The names of the workers with resource ``evaluator``."""
         if self._client is None:
-            return False
-        workers = cluster_workers(self._client).values()
-        return any(w.get("resources", {}).get("evaluator") for w in workers)
+            return []
+        return [str(w.get("name")) for w in cluster_workers(self._client).values()
+                if w.get("resources", {}).get("evaluator")]
 
     def evaluate(self, path: str) -> dict:
         """Evaluate one checkpoint (on an evaluator worker if there is one)."""
-        if self._on_evaluator():
-            future = self._client.submit(self._eval_fn, path, resources={"evaluator": 1}, pure=False)
-            return future.result()
-        return self._eval_fn(path)
+        evaluators = self._evaluators()
+        if self._data is None:
+            if evaluators:
+                future = self._client.submit(self._eval_fn, path, resources={"evaluator": 1}, pure=False)
+                return future.result()
+            return self._eval_fn(path)
+        name, spec = self._publish(evaluators), dataclasses.replace(self._data, parts=())
+        if evaluators:
+            return self._client.submit(_evaluate_on_worker, self._eval_fn, path, spec, name,
+                                       resources={"evaluator": 1}, pure=False).result()
+        futures = self._client.get_dataset(name)
+        return self._eval_fn(path, one_pass(spec, futures, self._gathered))
+
+    def _gathered(self, futures: tuple[Any, ...]) -> list[Any]:
+        return [to_numpy(v) for v in self._client.gather(list(futures))]
+
+    def _publish(self, evaluators: list[str]) -> str:
+        """Persist the data (on the evaluators) and publish its partitions, once."""
+        if self._published is None:
+            assert self._data is not None
+            client = self._client
+            futures = partition_futures(client, self._data.parts, evaluators or None)
+            rows_per_partition(client, self._data, futures)  # refuses misaligned components
+            name = f"daskps-sidecar-{uuid.uuid4().hex}"
+            client.publish_dataset([tuple(fs[i] for fs in futures) for i in range(len(futures[0]))], name=name)
+            self._held = [f for fs in futures for f in fs]
+            self._published = name
+            weakref.finalize(self, unpublish_later, client, name)
+        return self._published
 
     def run(self) -> list[tuple[str, dict]]:
         """Watch and evaluate until done; return ``[(path, metrics), ...]``."""
@@ -148,3 +208,11 @@ class SidecarEvaluator:
     def stop(self) -> None:
         """Ask the background run to stop after the current evaluation."""
         self._stop.set()
+
+
+def _evaluate_on_worker(eval_fn: Callable[..., dict], path: str, spec: DaskInput, name: str) -> dict:
+    """On the evaluator: ``eval_fn(path, batches)``, the partitions read from this worker's memory."""
+    worker = get_worker()
+    futures = get_client().get_dataset(name)
+    return eval_fn(path, one_pass(spec, futures, lambda fs: read_partition(worker, fs)[0]))
+
