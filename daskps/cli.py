@@ -6,7 +6,7 @@ import argparse
 import importlib.util
 import sys
 
-from daskps.demo import JAX_MISSING, MODELS, DemoConfig, run_demo
+from daskps.demo import INPUTS, JAX_MISSING, MODELS, DemoConfig, run_demo
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
                       help="SIGKILL parameter server ps-0 part-way through this epoch, to watch it be recovered")
     demo.add_argument("--model", choices=MODELS, default=defaults.model,
                       help="gradients by hand in numpy (the default) or from a jitted jax.value_and_grad")
+    demo.add_argument("--input", choices=INPUTS, default=defaults.input,
+                      help="batches from a generator on each trainer (the default), or from Dask Arrays read "
+                           "where their partitions live (dps.data.from_dask)")
     args = parser.parse_args(argv)
     if args.model == "jax" and importlib.util.find_spec("jax") is None:
         demo.error(JAX_MISSING)
@@ -37,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint_dir=args.checkpoint_dir,
         kill_ps_at_epoch=args.kill_ps,
         model=args.model,
+        input=args.input,
     )
     result = run_demo(config)
     learned = result["epochs_trained"] == 0 or result["log_loss"] < result["start_log_loss"]

@@ -14,6 +14,11 @@ The coordinator has the checkpoint manager, so a parameter server lost
 during training is re-created and restored from the latest checkpoint;
 ``kill_ps_at_epoch`` SIGKILLs ``ps-0`` part-way through that epoch to show it.
 
+``input="dask"`` feeds the trainers from Dask Arrays of the teacher's
+examples (made on the workers, ``DASK_ROWS`` of them) through
+``dps.data.from_dask``: each trainer reads the partitions it holds, shuffled,
+repeating; the default is a generator on each trainer.
+
 ``model="jax"`` trains the same model with gradients from a jitted
 ``jax.value_and_grad`` of its log-loss instead of the numpy ones written
 out by hand (JAX is optional: ``pip install "daskps[jax]"``).
@@ -36,6 +41,8 @@ NUM_FIELDS = 4
 EMBED_DIM = 4
 NUM_DENSE = 8
 MODELS = ("numpy", "jax")
+INPUTS = ("generator", "dask")
+DASK_ROWS, DASK_CHUNK = 100_000, 10_000
 JAX_MISSING = 'the demo\'s JAX model needs JAX, which is not installed: pip install "daskps[jax]"'
 
 
@@ -52,6 +59,7 @@ class DemoConfig:
     seed: int = 0
     kill_ps_at_epoch: int | None = None  # SIGKILL ps-0 part-way through this epoch (a local cluster's)
     model: str = "numpy"  # how gradients are computed: "numpy" (by hand) or "jax" (jax.value_and_grad)
+    input: str = "generator"  # where batches come from: a generator per trainer, or "dask" (dps.data.from_dask)
 
 
 def teacher(seed: int) -> dict[str, np.ndarray]:
@@ -78,6 +86,26 @@ def make_batches(seed: int, worker: int, batch_size: int, stream: int = 0):
     rng = np.random.default_rng([seed, worker + 1, stream])
     while True:
         yield sample(rng, batch_size, truth)
+
+
+def _sample_block(seed: int, block: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return sample(np.random.default_rng([seed, 10_000 + block]), n, teacher(seed))
+
+
+def dask_examples(seed: int, rows: int = DASK_ROWS, chunk: int = DASK_CHUNK) -> tuple:
+    """``rows`` of the teacher's examples as Dask Arrays ``(ids, x, y)``, each chunk made on a worker."""
+    import dask
+    import dask.array as da
+
+    parts: list[list] = [[], [], []]
+    for block, start in enumerate(range(0, rows, chunk)):
+        n = min(chunk, rows - start)
+        made = dask.delayed(_sample_block, pure=True)(seed, block, n)
+        for i, (shape, dtype) in enumerate((((n, NUM_FIELDS), np.int64), ((n, NUM_DENSE), np.float32),
+                                            ((n,), np.float32))):
+            parts[i].append(da.from_delayed(made[i], shape=shape, dtype=dtype))
+    ids, x, y = (da.concatenate(p) for p in parts)
+    return ids, x, y
 
 
 def _sigmoid(z):
@@ -148,6 +176,8 @@ def run_demo(config: DemoConfig = DemoConfig(), cluster=None, log=print) -> dict
     """Train on ``cluster`` (a new LocalPSCluster if None); return the final metrics."""
     if config.model not in MODELS:
         raise ValueError(f"model must be one of {', '.join(map(repr, MODELS))}, got {config.model!r}")
+    if config.input not in INPUTS:
+        raise ValueError(f"input must be one of {', '.join(map(repr, INPUTS))}, got {config.input!r}")
     step_maths = jax_loss_and_gradients() if config.model == "jax" else loss_and_gradients  # before any cluster
     own = cluster is None
     if own:
@@ -217,7 +247,15 @@ def _train(config: DemoConfig, cluster, log, step_maths) -> dict:
     if restored:
         log(f"resumed from {restored} (epoch {done}, optimizer step {int(optimizer.iterations.numpy())})")
     seed, batch, k = config.seed, config.batch_size, config.steps_per_call
-    dataset = coordinator.create_per_worker_dataset(lambda ctx: make_batches(seed, ctx.input_pipeline_id, batch, stream=done))
+    if config.input == "dask":
+        examples = dask_examples(seed)
+        log(f"input: {DASK_ROWS:,} examples as Dask Arrays in {examples[0].npartitions} partitions, read by "
+            "the trainers holding them (dps.data.from_dask, shuffled, repeating)")
+        data = dps.data.from_dask(examples, batch_size=batch, shuffle=True, seed=seed + done, epochs=None)
+        dataset = coordinator.create_per_worker_dataset(data)
+    else:
+        dataset = coordinator.create_per_worker_dataset(
+            lambda ctx: make_batches(seed, ctx.input_pipeline_id, batch, stream=done))
 
     def train_steps(iterator):
         for _ in range(k):

@@ -40,6 +40,22 @@ def test_demo_learns_with_jax_gradients(cluster, tmp_path):
     assert result["auc"] > 0.75 and result["auc"] <= result["teacher_auc"] + 0.01
 
 
+def test_demo_learns_from_dask_arrays(cluster, tmp_path):
+    """`daskps demo --input dask`: the teacher's examples as Dask Arrays, fed through dps.data.from_dask."""
+    lines = []
+    result = run_demo(DemoConfig(epochs=2, steps_per_epoch=60, input="dask", checkpoint_dir=str(tmp_path / "ckpts")),
+                      cluster=cluster, log=lines.append)
+    assert any("dps.data.from_dask" in line for line in lines), lines
+    assert result["epochs_trained"] == 2 and result["steps"] == 2 * 60 // 4 * 4
+    assert result["log_loss"] < result["start_log_loss"] - 0.1
+    assert result["auc"] > 0.75 and result["auc"] <= result["teacher_auc"] + 0.01
+
+
+def test_demo_input_must_be_known():
+    with pytest.raises(ValueError, match="input must be one of 'generator', 'dask', got 'csv'"):
+        run_demo(DemoConfig(input="csv"))
+
+
 def test_demo_without_jax_names_the_extra(monkeypatch, capsys):
     from daskps.cli import main
 
