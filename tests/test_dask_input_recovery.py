@@ -130,6 +130,12 @@ def test_exactly_once_without_failures_hands_every_row_out_once_per_epoch(coordi
     ordered = all(np.all(np.diff(b) == 1) for b in batches)
     assert ordered != shuffle
 
+    def remembered(dask_scheduler):  # batches the scheduler keeps for functions that might run again
+        return sum(len(q.given) for ledger in dask_scheduler.plugins["daskps"].inputs.values()
+                   for q in ledger.queues.values())
+
+    assert coordinator.strategy.client.run_on_scheduler(remembered) == 0  # all reported: none kept
+
 
 def test_exactly_once_survives_a_trainer_sigkilled_mid_pass(fresh_cluster):
     cluster, client = fresh_cluster

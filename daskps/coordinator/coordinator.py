@@ -624,7 +624,7 @@ class ClusterCoordinator:
             resolver = self._strategy.cluster_resolver
             assert resolver is not None
             reader, futures = dask_dataset(self._strategy.client, dataset_fn, resolver.training_workers(),
-                                           resolver.worker_resource)
+                                           resolver.worker_resource, self._topic)
             return PerWorkerDataset(self, reader, keep=futures, stops=True)
         return PerWorkerDataset(self, dataset_fn)
 

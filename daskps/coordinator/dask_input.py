@@ -73,11 +73,12 @@ LOOKAHEAD = 64
 
 
 def dask_dataset(client: Any, spec: DaskInput, trainers: list[tuple[str, str]],
-                 resource: str = "worker") -> tuple[Reader, Held]:
+                 resource: str = "worker", topic: str | None = None) -> tuple[Reader, Held]:
     """The dataset function for the trainers and what the coordinator must hold while it lives.
 
     ``trainers`` are ``(name, address)`` of the training workers now, which
-    have resource ``resource`` (trainers that join later have it too).
+    have resource ``resource`` (trainers that join later have it too);
+    ``topic`` is where the coordinator's functions report.
     """
     futures = partition_futures(client, spec.parts, [name for name, _ in trainers])
     wait([f for fs in futures for f in fs])  # the scheduler knows where a partition is once it is computed
@@ -86,7 +87,8 @@ def dask_dataset(client: Any, spec: DaskInput, trainers: list[tuple[str, str]],
     per_partition = [tuple(fs[i] for fs in futures) for i in range(len(rows))]
     ledger = InputLedger([tuple(f.key for f in fs) for fs in per_partition], rows, sorted(n for n, _ in trainers),
                          resource, batch_size=spec.batch_size, shuffle=spec.shuffle, seed=spec.seed,
-                         epochs=spec.epochs, drop_remainder=spec.drop_remainder, exactly_once=spec.exactly_once)
+                         epochs=spec.epochs, drop_remainder=spec.drop_remainder, exactly_once=spec.exactly_once,
+                         topic=topic)
     client.publish_dataset(per_partition, name=name)
     client.run_on_scheduler(open_input, name, ledger)
     # Exactly once, the rows of a partition are shuffled the same way on every trainer: one seed for all.

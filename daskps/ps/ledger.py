@@ -26,7 +26,8 @@ Two ways of handing out:
   id and how many batches it had asked for. A function that runs again (its
   trainer died before it reported; a parameter server was lost) asks again
   under the same id and gets the same batches; a function that reported is
-  never run again, so its batches are never handed out again.
+  never run again, so its batches are never handed out again (and are
+  forgotten once it reports, so the ledger stays small).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class _Queue:
 
     epoch: int = 0
     left: dict[int, deque[tuple[int, int]]] = dataclasses.field(default_factory=dict)
-    given: dict[tuple[int, int], tuple] = dataclasses.field(default_factory=dict)  # (function, n) -> batch
+    given: dict[int, dict[int, tuple]] = dataclasses.field(default_factory=dict)  # function -> n -> batch
     reading: dict[str, int] = dataclasses.field(default_factory=dict)  # trainer -> its partition now
 
 
@@ -97,7 +98,8 @@ class InputLedger:
     """
 
     def __init__(self, keys: list[tuple], rows: list[int], names: list[str], resource: str, *, batch_size: int,
-                 shuffle: bool, seed: int | None, epochs: int | None, drop_remainder: bool, exactly_once: bool):
+                 shuffle: bool, seed: int | None, epochs: int | None, drop_remainder: bool, exactly_once: bool,
+                 topic: str | None = None):
         self.keys, self.rows, self.resource = keys, [int(n) for n in rows], resource
         self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
         self.epochs, self.drop_remainder, self.exactly_once = epochs, drop_remainder, exactly_once
@@ -107,6 +109,7 @@ class InputLedger:
         self.streams: dict[int, _Stream] = {}
         self.queues: dict[int, _Queue] = {}
         self.addresses: dict[str, str] = {}  # worker address -> trainer name, of the trainers seen
+        self.topic = topic  # where the coordinator's functions report (exactly once: what was given is forgotten)
 
     # -- what the scheduler knows ---------------------------------------------------------------
     def _trainers(self, scheduler: Any) -> list[str]:
@@ -216,8 +219,8 @@ class InputLedger:
         if q is None:
             q = self.queues[iterator] = _Queue()
             self._fill(q)
-        if function is not None and (function, n) in q.given:
-            return dict(zip(("partition", "start", "stop", "epoch"), q.given[function, n]))
+        if function is not None and n in q.given.get(function, {}):
+            return dict(zip(("partition", "start", "stop", "epoch"), q.given[function][n]))
         while not any(q.left.values()):
             if self.epochs is not None and q.epoch + 1 >= self.epochs:
                 return {"end": True}
@@ -229,7 +232,7 @@ class InputLedger:
         self.fetched.setdefault(name, set()).add(partition)
         answer = (partition, start, stop, q.epoch)
         if function is not None:
-            q.given[function, n] = answer
+            q.given.setdefault(function, {})[n] = answer
         return dict(zip(("partition", "start", "stop", "epoch"), answer))
 
     def _fill(self, q: _Queue) -> None:
@@ -254,6 +257,13 @@ class InputLedger:
         open_ = [i for i, left in q.left.items() if left]
         mine = [i for i in open_ if name in self._holders(scheduler, i)]
         return max(mine or open_, key=lambda i: len(q.left[i]))
+
+    def reported(self, functions: list[int]) -> None:
+        """Scheduled functions whose results reached the coordinator: they never run again, so the
+        batches they were given need not be remembered."""
+        for q in self.queues.values():
+            for function in functions:
+                q.given.pop(function, None)
 
     # -- trainers leaving ---------------------------------------------------------------------
     def lost(self, address: str) -> None:

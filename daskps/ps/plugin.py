@@ -91,11 +91,16 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
         reported = self.reported.setdefault(batch_key, set())
         ts = self.scheduler.tasks.get(batch_key) if self.scheduler is not None else None
         where = ts.processing_on.address if ts is not None and ts.processing_on is not None else None
+        safe = []
         for function_id, status, *_ in finished:
             if status != "big":  # a big value lives on its trainer until the batch ends: not safe yet
                 reported.add(function_id)
+                safe.append(function_id)
             if where is not None:
                 (self.failed if status == "error" else self.completed)[where] += 1
+        for ledger in self.inputs.values():
+            if ledger.topic == topic and ledger.queues:
+                ledger.reported(safe)
 
     def batch_reported(self, key: str) -> dict[str, Any]:
         """Asked by every batch as it starts: ``{"reported": ids, "moves": {old key: new server}}``.
