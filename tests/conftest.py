@@ -136,8 +136,11 @@ def _start(args, env):
 
 
 @contextlib.contextmanager
-def dask_cli_cluster(tmp_path, resources, scheduler_args=()):
-    """A real ``dask scheduler`` and one ``dask worker`` per resource, on 127.0.0.1; yields a Client."""
+def dask_cli_cluster(tmp_path, resources, scheduler_args=(), worker_env=None):
+    """A real ``dask scheduler`` and one ``dask worker`` per resource, on 127.0.0.1; yields a Client.
+
+    ``worker_env``: environment variables of the worker processes only.
+    """
     env = {**os.environ, "DASK_DISTRIBUTED__WORKER__DAEMON": "False"}
     sched_file = tmp_path / "scheduler.json"
     procs = [_start(["distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", "0",
@@ -151,7 +154,8 @@ def dask_cli_cluster(tmp_path, resources, scheduler_args=()):
         address = json.loads(sched_file.read_text())["address"]
         for resource in resources:
             procs.append(_start(["distributed.cli.dask_worker", address, "--host", "127.0.0.1",
-                                 "--nthreads", "1", "--resources", resource, "--no-dashboard"], env))
+                                 "--nthreads", "1", "--resources", resource, "--no-dashboard"],
+                                {**env, **(worker_env or {})}))
         with Client(address) as client:
             client.wait_for_workers(len(resources), timeout=60)
             yield client

@@ -181,7 +181,7 @@ def _functions() -> FunctionCache:
     """This process's unpickled scheduled functions (``daskps.function-cache-size`` of them)."""
     global _FUNCTIONS
     if _FUNCTIONS is None:
-        _FUNCTIONS = FunctionCache(int(dask.config.get("daskps.function-cache-size", 64)))
+        _FUNCTIONS = FunctionCache(int(dask.config.get("daskps.function-cache-size")))
     return _FUNCTIONS
 
 

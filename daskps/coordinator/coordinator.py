@@ -290,7 +290,7 @@ class ClusterCoordinator:
             work = (len(self._pending)) * per  # queued and running
             useful = max(1, min(trainers, math.ceil(work / BATCH_SECONDS)))
             size = min(max(1, int(BATCH_SECONDS / per)), math.ceil(queued / useful))
-        size = min(size, int(dask.config.get("daskps.max-batch", 256)))
+        size = min(size, int(dask.config.get("daskps.max-batch")))
         if in_flight >= 2 * useful or (in_flight >= useful and queued < 2 * useful * size):
             return []
         return [self._queue.popleft() for _ in range(min(size, queued))]

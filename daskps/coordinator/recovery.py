@@ -168,7 +168,7 @@ def _host(strategy: Any, group: Any, old: ServerRef, deadline: float) -> tuple[s
     """
     resource = strategy._resolver.ps_resource
     name = str(group.worker_names[old.task_id])
-    prefer_until = time.monotonic() + parse_timedelta(dask.config.get("daskps.recovery-same-worker-wait", "10s"))
+    prefer_until = time.monotonic() + parse_timedelta(dask.config.get("daskps.recovery-same-worker-wait"))
     while True:
         workers = [(str(info.get("name", addr)), addr) for addr, info in cluster_workers(strategy.client).items()
                    if info.get("resources", {}).get(resource, 0) > 0 and addr != old.address]

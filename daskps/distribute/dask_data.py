@@ -313,7 +313,7 @@ class Batcher:
         self.rng = rng if rng is not None else np.random.default_rng()
         self.ready: deque[Any] = deque()  # batches made, not yet taken
         self.pool: list[list[Any]] = []  # rows not yet batched: segments, each a list over components
-        self.window = max(int(dask.config.get("daskps.data.shuffle-buffer-rows", 10_000)), spec.batch_size)
+        self.window = max(int(dask.config.get("daskps.data.shuffle-buffer-rows")), spec.batch_size)
 
     def add(self, part: list[Any]) -> None:
         size, pooled = self.spec.batch_size, sum(_rows(seg[0]) for seg in self.pool)

@@ -165,7 +165,7 @@ def create_div_parts(
 
 
 def _warn_if_large(name: str, shape: tuple) -> None:
-    limit = float(dask.config.get("daskps.large-variable-elements", 1e9))
+    limit = float(dask.config.get("daskps.large-variable-elements"))
     if np.prod(shape, dtype=np.float64) > limit:
         warnings.warn(
             f"variable {name!r} of shape {shape} is partitioned, but its initializer built the "

@@ -55,12 +55,12 @@ def holder_here() -> str:
 
 def connect_timeout() -> float:
     """Seconds to wait for a connection to a parameter server (config ``daskps.connect-timeout``)."""
-    return parse_timedelta(dask.config.get("daskps.connect-timeout", "5s"))
+    return parse_timedelta(dask.config.get("daskps.connect-timeout"))
 
 
 def recovery_timeout() -> float:
     """Seconds a lost server's recovery may take (config ``daskps.recovery-timeout``)."""
-    return parse_timedelta(dask.config.get("daskps.recovery-timeout", "60s"))
+    return parse_timedelta(dask.config.get("daskps.recovery-timeout"))
 
 
 class ServerRef(NamedTuple):

@@ -146,7 +146,7 @@ class Checkpoint:
             opts = [(p, o._key) for p, o in optimizers.items()] if t.slotted else []
             items += [(v._ref, (name, offset, opts)) for v, offset in t.parts]
         nbytes = sum(v.nbytes for t in tensors.values() for v, _ in t.parts)
-        show = progress if progress is not None else nbytes >= float(dask.config.get("daskps.progress-bytes", 256 << 20))
+        show = progress if progress is not None else nbytes >= float(dask.config.get("daskps.progress-bytes"))
         run = lambda: protocol.save(path, items)  # noqa: E731
         records = _with_progress(run, f"saving {path}", nbytes, fs, root) if show else run()
         manifest = {"format": "daskps-checkpoint/1", "save_counter": self.save_counter, "time": time.time(),

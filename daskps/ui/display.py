@@ -17,7 +17,7 @@ from daskps.ps import protocol
 
 
 def display_timeout() -> float:
-    return parse_timedelta(dask.config.get("daskps.display-timeout", "1s"))
+    return parse_timedelta(dask.config.get("daskps.display-timeout"))
 
 
 def server_rows(strategy: Any) -> list[dict[str, Any]]:
