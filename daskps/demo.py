@@ -204,7 +204,8 @@ def _kill_ps(client, coordinator, after: int, log) -> None:
     log(f"killing ps-0 (pid {pid}) with {coordinator.summary()['in_flight']} functions pending")
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 60
-    while not coordinator._recovering and len(coordinator.recoveries) == seen and time.monotonic() < deadline:
+    while (coordinator.recovery_state.name != "RECOVERING" and len(coordinator.recoveries) == seen
+           and time.monotonic() < deadline):
         time.sleep(0.01)
 
 

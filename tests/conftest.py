@@ -85,7 +85,7 @@ def wait_for_recovery(coordinator, count: int = 1, timeout: float = 60) -> None:
     finish before the loss is noticed, and ``join()`` would then return at once.
     """
     deadline = time.monotonic() + timeout
-    while not (coordinator._recovering or len(coordinator.recoveries) >= count):
+    while not (coordinator.recovery_state.name == "RECOVERING" or len(coordinator.recoveries) >= count):
         assert time.monotonic() < deadline, "a parameter server was killed, but no recovery began"
         time.sleep(0.02)
 

@@ -246,7 +246,7 @@ def test_strategy_close_during_recovery_leaves_no_server(fresh_cluster, tmp_path
     wait_done(coordinator, 10)
     kill_worker(client, "ps-0")
     deadline = time.monotonic() + 30
-    while not coordinator._recovering:
+    while coordinator.recovery_state.name != "RECOVERING":
         assert time.monotonic() < deadline
         time.sleep(0.005)
     # wait until the new server is being started, then close

@@ -55,6 +55,7 @@ from daskps.coordinator import recovery
 from daskps.coordinator.batches import BIG, ERROR, load_error, run_batch
 from daskps.coordinator.dask_input import DaskInput, dask_dataset
 from daskps.coordinator.datasets import PerWorkerDataset
+from daskps.coordinator.recovery import RecoveryControl, RecoveryState
 from daskps.coordinator.remote import FAILED, PENDING, RemoteValue, to_numpy
 from daskps.distribute.strategy import ParameterServerStrategy
 from daskps.errors import CancelledError, PSUnavailableError, RollbackWarning
@@ -219,22 +220,23 @@ class ClusterCoordinator:
         self.stats = {"scheduled": 0, "done": 0, "failed": 0, "cancelled": 0}
         # Functions finished, by the generation of servers their trainer knew (see _finished_by_generation).
         self._done_by_generation: collections.Counter[int] = collections.Counter()
-        self._lost_meanwhile: set[str] = set()  # servers seen leaving during a recovery
         self.last_error: BaseException | None = None
         self._created = time.monotonic()
         self._joined_at = 0  # functions scheduled before the last join() that found nothing pending
         self._trainers = len(strategy._worker_names)  # live trainers, counted again as work is dispatched
         self._trainers_at = time.monotonic()
         self._manager = None
-        self._recovering = False  # a lost server is being re-created: dispatch waits
-        self._halted = False  # a recovery failed: nothing more is dispatched until its error is raised
-        self._lossy: set[str] = set()  # batches stopped by a lost server: their unrun functions run again
-        self._rerun = 0  # functions run again since the last recovery began
+        self._recovery = RecoveryControl()  # lost servers: the state, and the functions to run again
         self.recoveries: list[Any] = []  # what each recovery did (daskps.coordinator.recovery.Recovered)
 
     @property
     def strategy(self) -> ParameterServerStrategy:
         return self._strategy
+
+    @property
+    def recovery_state(self) -> RecoveryState:
+        """Whether dispatch goes on, waits for lost servers to be recovered, or halted on a failed recovery."""
+        return self._recovery.state
 
     # -- scheduling ------------------------------------------------------------
     def schedule(self, fn: Callable[..., Any], args: Any = None, kwargs: Any = None) -> RemoteValue:
@@ -303,7 +305,7 @@ class ClusterCoordinator:
             asyncio.ensure_future(self._count_trainers())
         with self._cond:
             self._pump_queued = False
-            if self._recovering or self._halted:
+            if not self._recovery.dispatching:
                 return  # resumed when the lost server is back; after a failed recovery, join() raises
             batches: list[list[_Closure]] = []
             while self._queue:
@@ -358,7 +360,7 @@ class ClusterCoordinator:
                         error = RuntimeError(f"a scheduled function raised an exception that cannot be "
                                              f"rebuilt here ({type(exc).__name__}: {exc})")
                     if self._run_again(closure, error):
-                        self._lossy.add(batch_key)
+                        self._recovery.lossy.add(batch_key)
                     else:
                         protocol.name_what_was_held(error)
                         self._fail(closure, error)
@@ -403,8 +405,8 @@ class ClusterCoordinator:
         with self._cond:
             _, closures = self._batches.pop(key, (None, []))
             failed = any(c.remote._state == FAILED for c in closures)
-            lossy = key in self._lossy
-            self._lossy.discard(key)
+            lossy = key in self._recovery.lossy
+            self._recovery.lossy.discard(key)
             for c in closures:
                 if c.remote._state != PENDING or c.id not in self._pending or c.batch != key:
                     continue  # settled, or queued again (a lost server)
@@ -438,9 +440,9 @@ class ClusterCoordinator:
             return False
         closure.reruns += 1
         key = getattr(error, "server_key", None)
-        if self._recovering:
+        if self._recovery.recovering:
             if key is not None:
-                self._lost_meanwhile.add(key)  # looked at when this recovery ends
+                self._recovery.lost_meanwhile.add(key)  # looked at when this recovery ends
         elif key not in protocol.MOVED:
             self._start_recovery()
         self._requeue(closure)
@@ -462,8 +464,8 @@ class ClusterCoordinator:
         ps killed just after the first may not have looked lost yet).
         """
         with self._cond:
-            if self._recovering:
-                self._lost_meanwhile.update(keys)
+            if self._recovery.recovering:
+                self._recovery.lost_meanwhile.update(keys)
             elif self._should_recover(keys):
                 self._start_recovery()
 
@@ -474,13 +476,11 @@ class ClusterCoordinator:
     def _start_recovery(self) -> None:
         """Pause dispatch and recover in a thread (under the lock, which the thread needs to finish)."""
         threading.Thread(target=self._recover, name="daskps-recover", daemon=True).start()
-        self._recovering = True
-        self._rerun = 0
+        self._recovery.begin()
 
     def _requeue(self, closure: _Closure) -> None:
         """Queue ``closure`` again, before the functions scheduled after it (under the lock)."""
-        if self._recovering:
-            self._rerun += 1
+        self._recovery.requeued()
         closure.batch = None
         index = bisect.bisect_left([c.id for c in self._queue], closure.id)
         self._queue.insert(index, closure)
@@ -497,7 +497,7 @@ class ClusterCoordinator:
         try:
             if report is not None:  # before join() can return: a caller catching warnings around it sees it
                 with self._cond:
-                    rerun = self._rerun
+                    rerun = self._recovery.rerun
                 warnings.warn(report.describe(rerun), RollbackWarning, stacklevel=1)
         finally:  # even where warnings are errors (they would end this thread, not reach the user)
             self._finish_recovery(report, error)
@@ -505,17 +505,15 @@ class ClusterCoordinator:
     def _finish_recovery(self, report: Any, error: BaseException | None) -> None:
         """Record the recovery, let join() return (or raise ``error``), and dispatch what waited."""
         with self._cond:
-            self._recovering = False
-            lost, self._lost_meanwhile = self._lost_meanwhile, set()
+            lost = self._recovery.end(failed=error is not None)
             if report is not None:
                 self.recoveries.append(report)
             if error is not None:  # what is queued waits for join() to raise it (and cancel them)
                 self.last_error = error
                 self._error = self._error or error
-                self._halted = True
             elif self._should_recover(lost):  # servers seen leaving meanwhile that this one did not replace
                 self._start_recovery()
-            pump = error is None and not self._recovering
+            pump = error is None and not self._recovery.recovering
             self._cond.notify_all()
         if pump:
             with contextlib.suppress(Exception):  # the client is closing: nothing to dispatch
@@ -542,7 +540,7 @@ class ClusterCoordinator:
             cancelled = list(self._pending.values())
             self._pending.clear()
             self._queue.clear()
-            self._halted = False
+            self._recovery.resume()
             futures = [f for f, _ in self._batches.values()]
             self.stats["cancelled"] += len(cancelled)
             for c in cancelled:
@@ -571,7 +569,7 @@ class ClusterCoordinator:
         """
         try:
             with self._cond:
-                while (self._pending or self._recovering) and self._error is None:
+                while (self._pending or self._recovery.recovering) and self._error is None:
                     self._cond.wait(timeout=1.0)
                 if not self._pending:
                     self._joined_at = self.stats["scheduled"]
@@ -598,7 +596,7 @@ class ClusterCoordinator:
         """
         self._raise_pending_error()
         with self._cond:
-            return not self._pending and not self._recovering
+            return not self._pending and not self._recovery.recovering
 
     def fetch(self, val: Any) -> Any:
         """Replace RemoteValues and variables in ``val`` by their numpy values.

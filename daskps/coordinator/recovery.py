@@ -26,6 +26,7 @@ or were cancelled because of the loss.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import time
 import uuid
@@ -43,6 +44,59 @@ from daskps.ps import protocol, refs
 from daskps.ps.group import key_generation
 from daskps.ps.plugin import move_cleanups, record_moves
 from daskps.ps.protocol import ServerRef
+
+
+class RecoveryState(enum.Enum):
+    """Where a coordinator stands with lost parameter servers."""
+
+    DISPATCHING = "dispatching"  # all servers there: queued functions go out
+    RECOVERING = "recovering"  # lost servers are being re-created and restored: dispatch waits
+    HALTED = "halted"  # a recovery failed: nothing goes out until join() has raised its error
+
+
+class RecoveryControl:
+    """A coordinator's recovery state and the bookkeeping around it.
+
+    Changed only under the coordinator's lock. ``lost_meanwhile`` are servers
+    seen leaving while a recovery ran (looked at when it ends), ``lossy`` the
+    batches stopped by a lost server (their unrun functions run again), and
+    ``rerun`` how many functions ran again since the current recovery began.
+    """
+
+    def __init__(self) -> None:
+        self.state = RecoveryState.DISPATCHING
+        self.lost_meanwhile: set[str] = set()
+        self.lossy: set[str] = set()
+        self.rerun = 0
+
+    @property
+    def recovering(self) -> bool:
+        return self.state is RecoveryState.RECOVERING
+
+    @property
+    def dispatching(self) -> bool:
+        return self.state is RecoveryState.DISPATCHING
+
+    def begin(self) -> None:
+        """A recovery starts: dispatch waits."""
+        self.state, self.rerun = RecoveryState.RECOVERING, 0
+
+    def requeued(self) -> None:
+        """A function is queued again (counted while a recovery runs)."""
+        if self.recovering:
+            self.rerun += 1
+
+    def end(self, failed: bool) -> set[str]:
+        """The recovery ended (``failed``: dispatch halts); returns the servers lost meanwhile."""
+        lost, self.lost_meanwhile = self.lost_meanwhile, set()
+        self.state = RecoveryState.HALTED if failed else RecoveryState.DISPATCHING
+        return lost
+
+    def resume(self) -> None:
+        """Everything pending was cancelled (its error raised): dispatch may go on."""
+        if self.state is RecoveryState.HALTED:
+            self.state = RecoveryState.DISPATCHING
+
 
 
 @dataclasses.dataclass
