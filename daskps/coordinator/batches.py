@@ -3,7 +3,7 @@
 The coordinator packs several scheduled functions into one Dask task (see
 :mod:`daskps.coordinator.coordinator`). On the trainer, :func:`run_batch`
 runs them in schedule order and, as they finish, logs events
-``[batch_key, [[function_id, status, payload, seconds, generation], ...]]`` to the coordinator's
+``[batch_key, [FunctionReport, ...]]`` (:class:`daskps.ps.plugin.FunctionReport`) to the coordinator's
 topic (``generation``: of the re-created servers the trainer knew as the function started):
 the result (pickled, when small) or the error reaches the coordinator at
 once, through the scheduler. The scheduler plugin notes which functions of a
@@ -42,7 +42,7 @@ from daskps.distribute.context import scheduled_function
 from daskps.errors import OutOfRangeError
 from daskps.ps import pipeline, protocol, refs
 from daskps.ps.group import generation_known
-from daskps.ps.plugin import REPORTED_HANDLER
+from daskps.ps.plugin import REPORTED_HANDLER, FunctionReport
 
 OK, BIG, ERROR = "ok", "big", "error"
 _LEAVING = frozenset({Status.closing_gracefully, Status.closing, Status.closed, Status.failed})
@@ -86,7 +86,7 @@ def run_batch(strategy_blob: bytes, topic: str, batch_key: str, batch: bytes) ->
             pipe.function = None
             if status == BIG:
                 big[cid] = value
-            reporter.finished(cid, status, payload, took, generation)
+            reporter.finished(FunctionReport(cid, status, payload, took, generation))
             if status == ERROR or pipe.errors:
                 break
             following = closures[i + 1][1][0] if i + 1 < len(closures) else None
@@ -118,14 +118,15 @@ class _Reporter:
 
     def __init__(self, worker: Any, topic: str, batch_key: str, pipe: Any):
         self.worker, self.topic, self.batch_key, self.pipe = worker, topic, batch_key, pipe
-        self.waiting: collections.deque[list] = collections.deque()  # finished, pushes not yet applied
-        self.outbox: list[list] = []
+        # Finished, pushes not yet applied: (report, when it finished).
+        self.waiting: collections.deque[tuple[FunctionReport, float]] = collections.deque()
+        self.outbox: list[FunctionReport] = []
         self.lock = threading.Lock()
         self.timer = False
 
-    def finished(self, cid: int, status: str, payload: bytes | None, took: float, generation: int) -> None:
-        self.waiting.append([cid, status, payload, took, generation, time.monotonic()])
-        self.send(final=status == ERROR)
+    def finished(self, report: FunctionReport) -> None:
+        self.waiting.append((report, time.monotonic()))
+        self.send(final=report.status == ERROR)
 
     def overdue(self) -> bool:
         """Whether a finished function has waited ``REPORT_EVERY`` for its pushes to be applied.
@@ -134,16 +135,16 @@ class _Reporter:
         after it do not talk to that server, the batch sends them itself, so
         a report waits at most about one function.
         """
-        return bool(self.waiting) and time.monotonic() - self.waiting[0][5] > REPORT_EVERY
+        return bool(self.waiting) and time.monotonic() - self.waiting[0][1] > REPORT_EVERY
 
     def send(self, final: bool = False) -> None:
-        while self.waiting and self.pipe.settled(self.waiting[0][0]):
-            cid, status, payload, took, generation, _ = self.waiting.popleft()
-            if cid in self.pipe.errors:
-                status, payload = ERROR, _pickled_error(self.pipe.errors[cid])
+        while self.waiting and self.pipe.settled(self.waiting[0][0].function):
+            report, _ = self.waiting.popleft()
+            if report.function in self.pipe.errors:  # a push it made was refused: that is its error
+                report = report._replace(status=ERROR, payload=_pickled_error(self.pipe.errors[report.function]))
             with self.lock:
-                self.outbox.append([cid, status, payload, took, generation])
-            final = final or status == ERROR
+                self.outbox.append(report)
+            final = final or report.status == ERROR
         if final:
             self._flush()
             return

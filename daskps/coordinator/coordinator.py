@@ -60,7 +60,7 @@ from daskps.coordinator.remote import FAILED, PENDING, RemoteValue, to_numpy
 from daskps.distribute.strategy import ParameterServerStrategy
 from daskps.errors import CancelledError, PSUnavailableError, RollbackWarning
 from daskps.ps import protocol, refs
-from daskps.ps.plugin import BATCH_TOPIC_PREFIX, LOST
+from daskps.ps.plugin import BATCH_TOPIC_PREFIX, LOST, FunctionReport
 from daskps.training.checkpoint import CheckpointManager
 from daskps.ui.display import coordinator_html
 
@@ -343,10 +343,11 @@ class ClusterCoordinator:
             self._on_lost(finished)
             return
         with self._cond:
-            took = sum(f[3] for f in finished) / len(finished)  # a few events to follow a change
+            reports = [FunctionReport(*row) for row in finished]
+            took = sum(r.seconds for r in reports) / len(reports)  # a few events to follow a change
             per = self._seconds_per_function
             self._seconds_per_function = took if per is None else per + 0.5 * (took - per)
-            for cid, status, payload, _, generation in finished:
+            for cid, status, payload, _, generation in reports:
                 closure = self._pending.get(cid)
                 if closure is None or closure.remote._state != PENDING or closure.batch != batch_key:
                     continue  # cancelled or queued again meanwhile
@@ -354,6 +355,7 @@ class ClusterCoordinator:
                 if status == BIG:
                     continue  # its result comes with the batch
                 if status == ERROR:
+                    assert payload is not None  # an error always carries itself
                     try:
                         error = load_error(payload)
                     except Exception as exc:  # it pickled on the worker but does not unpickle here

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import Counter
-from typing import Any
+from typing import Any, NamedTuple
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
@@ -34,6 +34,21 @@ TRAINERS_HANDLER = "daskps_trainers"
 INPUT_HANDLER = "daskps_input_claim"
 # Logged on a strategy's batch topic when the worker of one of its servers leaves: [LOST, [actor keys]].
 LOST = "daskps-lost-servers"
+
+
+class FunctionReport(NamedTuple):
+    """How one scheduled function ended, as its batch reports it on the coordinator's topic.
+
+    Events carry ``[batch_key, [report, ...]]``; Dask's event log turns the
+    records into lists on the way, so receivers rebuild them with
+    ``FunctionReport(*row)``.
+    """
+
+    function: int  # the function's id on its coordinator
+    status: str  # "ok", "big" (its value comes back with the batch's task) or "error"
+    payload: bytes | None  # the pickled value (ok) or error (error)
+    seconds: float  # how long it ran
+    generation: int  # the generation of re-created servers its trainer knew as it started
 
 
 class DaskPSSchedulerPlugin(SchedulerPlugin):
@@ -82,7 +97,7 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
                 asyncio.ensure_future(_run_on_workers(self.scheduler, list(todo.values())))
 
     def log_event(self, topic: str, msg: Any) -> None:
-        """Scheduled functions finished: ``[batch_key, [[function_id, status, payload, seconds, generation], ...]]``."""
+        """Scheduled functions finished: ``[batch_key, [FunctionReport fields, ...]]``."""
         if not topic.startswith(BATCH_TOPIC_PREFIX):
             return
         batch_key, finished = msg
@@ -92,12 +107,12 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
         ts = self.scheduler.tasks.get(batch_key) if self.scheduler is not None else None
         where = ts.processing_on.address if ts is not None and ts.processing_on is not None else None
         safe = []
-        for function_id, status, *_ in finished:
-            if status != "big":  # a big value lives on its trainer until the batch ends: not safe yet
-                reported.add(function_id)
-                safe.append(function_id)
+        for report in (FunctionReport(*row) for row in finished):
+            if report.status != "big":  # a big value lives on its trainer until the batch ends: not safe yet
+                reported.add(report.function)
+                safe.append(report.function)
             if where is not None:
-                (self.failed if status == "error" else self.completed)[where] += 1
+                (self.failed if report.status == "error" else self.completed)[where] += 1
         for ledger in self.inputs.values():
             if ledger.topic == topic and ledger.queues:
                 ledger.reported(safe)
