@@ -250,6 +250,12 @@ def test_bad_input_is_refused(coordinator):
         dps.data.from_dask(da.ones((10, 4), chunks=(5, 2)), batch_size=2)
     with pytest.raises(ValueError, match="epochs must be"):
         dps.data.from_dask(da.ones(10, chunks=5), batch_size=2, epochs=0)
+    with pytest.raises(TypeError, match="shuffle must be True or False, got 'yes'"):
+        dps.data.from_dask(da.ones(10, chunks=5), batch_size=2, shuffle="yes")
+    with pytest.raises(TypeError, match="exactly_once must be True or False, got 1"):
+        dps.data.from_dask(da.ones(10, chunks=5), batch_size=2, exactly_once=1)
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1, got 1.5"):
+        dps.data.from_dask(da.ones(10, chunks=5), batch_size=1.5)
 
 
 def test_misaligned_frame_partitions_are_refused_once_counted(coordinator):

@@ -115,6 +115,9 @@ def from_dask(collection: Any, batch_size: int, *, shuffle: bool = False, seed: 
         raise ValueError(f"epochs must be an integer >= 1 or None (repeat forever), got {epochs!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
         raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+    for arg, flag in (("shuffle", shuffle), ("drop_remainder", drop_remainder), ("exactly_once", exactly_once)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{arg} must be True or False, got {flag!r}")
     return DaskInput(parts, names, not isinstance(collection, (tuple, dict)), int(batch_size), bool(shuffle),
                      None if seed is None else int(seed), None if epochs is None else int(epochs),
                      bool(drop_remainder), bool(exactly_once))
