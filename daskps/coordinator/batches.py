@@ -66,7 +66,7 @@ def run_batch(strategy_blob: bytes, topic: str, batch_key: str, batch: bytes) ->
         refs.follow({old: protocol.ServerRef(*new) for old, new in answer["moves"].items()})
     strategy = pickle.loads(strategy_blob)
     if protocol.MOVED:  # a view of the strategy made before a server moved
-        strategy._ps = [protocol.current(s) for s in strategy._ps]
+        strategy.follow_moved_servers()
     closures = pickle.loads(batch)
     reported = set(answer["reported"])
     big: dict[int, Any] = {}
@@ -197,7 +197,7 @@ def _run_one(strategy: Any, blob: tuple[bytes, bytes]) -> tuple[str, bytes | Non
         with refs.borrowing(made):
             args, kwargs = pickle.loads(blob[1])
             if any(type(x) is PerWorkerValues for x in (*args, *kwargs.values())):
-                index = local_worker_index(tuple(strategy._worker_names))
+                index = local_worker_index(strategy.trainer_names)
                 local = lambda x: x._local(index) if type(x) is PerWorkerValues else x  # noqa: E731
                 args, kwargs = map_structure(local, args), map_structure(local, kwargs)
             try:

@@ -189,7 +189,7 @@ class ClusterCoordinator:
 
     def _set_manager(self, manager: CheckpointManager) -> None:
         self._manager: CheckpointManager | None = manager
-        manager._coordinator = weakref.ref(self)
+        manager.count_finished_with(self._finished_by_generation)
 
     @property
     def checkpoint_manager(self) -> CheckpointManager | None:
@@ -223,7 +223,7 @@ class ClusterCoordinator:
         self.last_error: BaseException | None = None
         self._created = time.monotonic()
         self._joined_at = 0  # functions scheduled before the last join() that found nothing pending
-        self._trainers = len(strategy._worker_names)  # live trainers, counted again as work is dispatched
+        self._trainers = len(strategy.trainer_names)  # live trainers, counted again as work is dispatched
         self._trainers_at = time.monotonic()
         self._manager = None
         self._recovery = RecoveryControl()  # lost servers: the state, and the functions to run again

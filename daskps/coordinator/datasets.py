@@ -144,7 +144,8 @@ class PerWorkerDataset:
         strategy._check_open("create_per_worker_dataset")
         blob = dumps_or_explain(dataset_fn, "dataset_fn")
         dataset_id = uuid.uuid4().hex[:16]
-        server = strategy._ps[int(dataset_id[:8], 16) % len(strategy._ps)]
+        servers = strategy.servers
+        server = servers[int(dataset_id[:8], 16) % len(servers)]
         key = f"dataset-{dataset_id}"
         protocol.put_blob(server, key, blob, strategy._group)
         held = refs.owned(server, key, f"<dataset {dataset_id}>", strategy._group)
@@ -182,7 +183,7 @@ def _trainers_now(strategy: Any) -> tuple[str, ...]:
 
     A trainer keeps its index; ``num_input_pipelines`` counts those here now.
     """
-    names = list(strategy._worker_names)
+    names = list(strategy.trainer_names)
     resolver = strategy.cluster_resolver
     if resolver is not None:
         names += [n for n, _ in resolver.training_workers() if n not in names]

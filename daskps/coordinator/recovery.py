@@ -184,7 +184,7 @@ def recover(strategy: Any, manager: Any, done: Callable[[], Counter[int]]) -> Re
         if latest is not None:
             try:
                 with protocol.past_holds():
-                    manifest = manager._checkpoint._restore(latest, servers=set(news))
+                    manifest = manager.checkpoint.restore_on(latest, servers=set(news))
             except Exception as exc:
                 raise PSUnavailableError(
                     f"parameter server(s) {', '.join(f'ps:{o.task_id}' for o, _ in pairs)} were lost and "
@@ -201,7 +201,7 @@ def recover(strategy: Any, manager: Any, done: Callable[[], Counter[int]]) -> Re
         _tell_workers(group.client, dict(protocol.MOVED))
     finally:
         protocol.release_holds(news)
-    at_save = manager._done_at.get(latest) if latest is not None else None
+    at_save = manager.finished_at(latest) if latest is not None else None
     return Recovered(pairs, latest, rolled_back, sorted(set(variables.values())),
                      None if at_save is None else _finished_on(pairs, done(), at_save), time.monotonic() - started)
 

@@ -167,6 +167,20 @@ class ParameterServerStrategy(_SingleReplicaStrategy):
         return self._resolver
 
     @property
+    def servers(self) -> tuple[ServerRef, ...]:
+        """The parameter servers, in task order (their current places, after any recovery)."""
+        return tuple(self._ps)
+
+    @property
+    def trainer_names(self) -> tuple[str, ...]:
+        """The names of the training workers when the strategy was made (their index order)."""
+        return tuple(self._worker_names)
+
+    def follow_moved_servers(self) -> None:
+        """Point at the servers re-created after losses (on a trainer, for a view made before a move)."""
+        self._ps = [protocol.current(s) for s in self._ps]
+
+    @property
     def client(self) -> Client | None:
         """The coordinator's ``distributed.Client`` (``None`` in a worker's copy)."""
         return self._client

@@ -28,10 +28,12 @@ array([1., 2.], dtype=float32)
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -158,16 +160,16 @@ class Checkpoint:
     # -- restoring --------------------------------------------------------------
     def restore(self, save_path: str) -> _LoadStatus:
         """Restore every object (and ``save_counter``) from ``save_path``, or change nothing."""
-        manifest = self._restore(save_path)
+        manifest = self.restore_on(save_path)
         self.save_counter = int(manifest.get("save_counter", self.save_counter))
         return _LoadStatus()
 
     def read(self, save_path: str) -> _LoadStatus:
         """Like :meth:`restore`, leaving ``save_counter`` alone."""
-        self._restore(save_path)
+        self.restore_on(save_path)
         return _LoadStatus()
 
-    def _restore(self, path: str, servers: Any = None) -> dict:
+    def restore_on(self, path: str, servers: Any = None) -> dict:
         """Restore from ``path``; return its manifest.
 
         With ``servers``, only the parts held on those servers are restored
@@ -470,13 +472,20 @@ class CheckpointManager:
         self._init_fn = init_fn
         # checkpoint path -> the functions its coordinator had finished when it was saved (see recovery)
         self._done_at: dict[str, Counter[int]] = {}
-        self._coordinator: Any = None  # weak reference, set by ClusterCoordinator(checkpoint_manager=...)
+        # Counts the functions finished so far (handed down by ClusterCoordinator(checkpoint_manager=...)),
+        # held weakly: a manager must not keep its coordinator alive.
+        self._finished: Callable[[], Callable[[], Counter[int]] | None] = lambda: None
         preserved = [_written_at(self._fs, self._checkpoint_root(n)) for n in self._preserved()]
         self._last_preserved = max(preserved) if preserved else time.time() - 1.0
 
     @property
     def directory(self) -> str:
         return self._url
+
+    @property
+    def checkpoint(self) -> Checkpoint:
+        """The checkpoint this manager saves and restores."""
+        return self._checkpoint
 
     def _checkpoint_root(self, n: int) -> str:
         return f"{self._root}/{self._name}-{n}"
@@ -519,8 +528,8 @@ class CheckpointManager:
         if checkpoint_number is None:
             checkpoint_number = max([self._checkpoint.save_counter, *numbers]) + 1
         self._checkpoint.save_counter = int(checkpoint_number)
-        coordinator = None if self._coordinator is None else self._coordinator()
-        done = None if coordinator is None else coordinator._finished_by_generation()
+        count = self._finished()
+        done = None if count is None else count()
         path = self._checkpoint.write(f"{self._url}/{self._name}-{checkpoint_number}")
         if done is not None:
             self._done_at[path] = done
@@ -536,6 +545,22 @@ class CheckpointManager:
             kept = set(self.checkpoints)
             self._done_at = {p: n for p, n in self._done_at.items() if p in kept}
         return path
+
+    def count_finished_with(self, count: Callable[[], Counter[int]]) -> None:
+        """Note at each save what ``count()`` says has finished (a coordinator's functions, by the
+        generation of servers their trainer knew); a recovery reads it back with :meth:`finished_at`.
+
+        ``count`` is held weakly if it is a bound method.
+        """
+        if inspect.ismethod(count):
+            ref = weakref.WeakMethod(count)
+            self._finished = ref
+        else:
+            self._finished = lambda: count
+
+    def finished_at(self, path: str) -> Counter[int] | None:
+        """What the counter handed to :meth:`count_finished_with` said when ``path`` was saved."""
+        return self._done_at.get(path)
 
     def restore_or_initialize(self) -> str | None:
         """Restore the latest checkpoint and return its path; else call ``init_fn`` and return None."""

@@ -122,7 +122,7 @@ class Optimizer:
         self.name = name
         self.iterations = Variable(np.int64(0), trainable=False, name=f"{name}/iterations")
         owner = getattr(strategy, "_group", None) if in_scope else None
-        servers = list(strategy._ps) if in_scope else []
+        servers = list(strategy.servers) if in_scope else []
         self._key = f"{name}@{uuid.uuid4().hex[:12]}"  # names this optimizer on the servers
         servers.append(protocol.LOCAL)  # local variables can be trained too
         try:

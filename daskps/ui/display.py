@@ -24,10 +24,10 @@ def server_rows(strategy: Any) -> list[dict[str, Any]]:
     """One row per parameter server: address, state, variables, bytes, reads, updates."""
     if strategy.closed:
         return [{"task": ps.task_id, "device": ps.device, "address": ps.address, "status": "closed"}
-                for ps in strategy._ps]
-    results = protocol.stats(strategy._ps, strategy._group, display_timeout())
+                for ps in strategy.servers]
+    results = protocol.stats(strategy.servers, strategy._group, display_timeout())
     rows = []
-    for ps, res in zip(strategy._ps, results):
+    for ps, res in zip(strategy.servers, results):
         row: dict[str, Any] = {"task": ps.task_id, "device": ps.device, "address": ps.address}
         if isinstance(res, BaseException):
             row["status"] = f"unreachable: {type(res).__name__}: {res}"
@@ -50,7 +50,7 @@ def _trainers(strategy: Any) -> list[tuple[str, str]]:
         current = dict(strategy.cluster_resolver.training_workers())
     except Exception:  # a display must not fail: show what we know
         current = {}
-    return [(name, current.get(name, "gone")) for name in strategy._worker_names]
+    return [(name, current.get(name, "gone")) for name in strategy.trainer_names]
 
 
 def strategy_html(strategy: Any) -> str:
@@ -64,7 +64,7 @@ def strategy_html(strategy: Any) -> str:
     trainers = [[f"worker {i}", name, addr] for i, (name, addr) in enumerate(_trainers(strategy))]
     link = strategy.client.dashboard_link
     return (
-        f"<div><strong>ParameterServerStrategy</strong> &mdash; {len(strategy._ps)} parameter servers, "
+        f"<div><strong>ParameterServerStrategy</strong> &mdash; {len(strategy.servers)} parameter servers, "
         f"{len(trainers)} trainers &mdash; dashboard: <a href='{html.escape(link)}' target='_blank'>"
         f"{html.escape(link)}</a>"
         + _table(["server", "address", "variables", "bytes", "reads", "updates", "state"], rows)
