@@ -78,7 +78,7 @@ def run_batch(strategy_blob: bytes, topic: str, batch_key: str, batch: bytes) ->
             if _cancelled(worker, batch_key):
                 break
             pipe.function = cid
-            generation = generation_known(strategy._token)
+            generation = generation_known(strategy.token)
             started = time.perf_counter()
             with running_function(cid):
                 status, payload, value = _run_one(strategy, blob)

@@ -175,7 +175,7 @@ class ClusterCoordinator:
                             f"got {type(checkpoint_manager).__name__}")
         if strategy.client is None:
             raise RuntimeError("a ClusterCoordinator can only be made on the coordinator, not on a worker")
-        strategy._check_open("ClusterCoordinator(strategy)")
+        strategy.check_open("ClusterCoordinator(strategy)")
         if strategy._coordinator is None:
             self = super().__new__(cls)
             self._setup(strategy)
@@ -213,7 +213,7 @@ class ClusterCoordinator:
         self._seconds_per_function: float | None = None  # a moving average, from the reports
         self._ids = itertools.count()
         self._batch_ids = itertools.count()
-        self._topic = f"{BATCH_TOPIC_PREFIX}{strategy._token}"
+        self._topic = f"{BATCH_TOPIC_PREFIX}{strategy.token}"
         # The client keeps its handlers: give it one that does not keep this coordinator alive.
         client.subscribe_topic(self._topic, functools.partial(_deliver, weakref.ref(self)))
         weakref.finalize(self, _unsubscribe, client, self._topic)
@@ -259,7 +259,7 @@ class ClusterCoordinator:
         kwargs = _checked(kwargs, dict, "kwargs", "a dict", {})
         _refuse_remote_values(args, "args")
         _refuse_remote_values(kwargs, "kwargs")
-        self._strategy._check_open("coordinator.schedule")
+        self._strategy.check_open("coordinator.schedule")
         self._raise_pending_error()
         blob, kept = _pickle_closure(fn, tuple(args), kwargs, getattr(fn, "__name__", type(fn).__name__))
         closure = _Closure(next(self._ids), blob, kept, RemoteValue(self))
@@ -314,7 +314,7 @@ class ClusterCoordinator:
                     break
                 batches.append(batch)
             for closures in batches:
-                key = f"daskps-batch-{next(self._batch_ids)}-{self._strategy._token[:8]}"
+                key = f"daskps-batch-{next(self._batch_ids)}-{self._strategy.token[:8]}"
                 # One bytes object: Dask walks every nested list and tuple of a task's arguments.
                 payload = pickle.dumps([(c.id, c.blob) for c in closures], protocol=5)
                 future = self._client.submit(
@@ -620,7 +620,7 @@ class ClusterCoordinator:
         ``iter()`` on it gives a per-worker iterator to pass to scheduled functions.
         """
         if isinstance(dataset_fn, DaskInput):
-            self._strategy._check_open("create_per_worker_dataset")
+            self._strategy.check_open("create_per_worker_dataset")
             resolver = self._strategy.cluster_resolver
             assert resolver is not None
             reader, futures = dask_dataset(self._strategy.client, dataset_fn, resolver.training_workers(),

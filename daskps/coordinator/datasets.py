@@ -141,14 +141,14 @@ class PerWorkerDataset:
                 f"{type(dataset_fn).__name__} (wrap a dataset as `lambda: dataset`)"
             )
         strategy = coordinator.strategy
-        strategy._check_open("create_per_worker_dataset")
+        strategy.check_open("create_per_worker_dataset")
         blob = dumps_or_explain(dataset_fn, "dataset_fn")
         dataset_id = uuid.uuid4().hex[:16]
         servers = strategy.servers
         server = servers[int(dataset_id[:8], 16) % len(servers)]
         key = f"dataset-{dataset_id}"
-        protocol.put_blob(server, key, blob, strategy._group)
-        held = refs.owned(server, key, f"<dataset {dataset_id}>", strategy._group)
+        protocol.put_blob(server, key, blob, strategy.group)
+        held = refs.owned(server, key, f"<dataset {dataset_id}>", strategy.group)
         held.recipe = ("blob", blob)
         self._spec = _DatasetSpec(dataset_id, held, _trainers_now(strategy), stops)
         self._fn = dataset_fn  # whatever it captured stays alive as long as the dataset

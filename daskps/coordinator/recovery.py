@@ -162,7 +162,7 @@ def recover(strategy: Any, manager: Any, done: Callable[[], Counter[int]]) -> Re
     checkpoint cannot be restored.
     """
     started = time.monotonic()
-    group = strategy._group
+    group = strategy.group
     lost = lost_servers(group)
     if not lost:
         return None

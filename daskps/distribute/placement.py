@@ -114,7 +114,7 @@ def create_partitioned(strategy: Any, initial_value: Any, trainable: bool, name:
         shape, dtype = initial_value.shape, initial_value.dtype
     num = num_partitions(strategy._variable_partitioner, shape, dtype) if shape else 1
     if num == 1:
-        parts = create(strategy._group, [Part(strategy._next_ps(), name, initial_value, shape, dtype)])
+        parts = create(strategy.group, [Part(strategy._next_ps(), name, initial_value, shape, dtype)])
     else:
         parts = create_div_parts(strategy, initial_value, shape, dtype, 0, num, name)
     return Placed(name, parts, num > 1, trainable)
@@ -161,7 +161,7 @@ def create_div_parts(
             cut = initial_value[tuple(slice(o, o + n) for o, n in zip(offset, part_shape))]
             part = Part(strategy._next_ps(), f"{name}/part_{i}", cut, part_shape, dtype)
         parts.append(part)
-    return create(strategy._group, parts, whole=(name, shape))
+    return create(strategy.group, parts, whole=(name, shape))
 
 
 def _warn_if_large(name: str, shape: tuple) -> None:

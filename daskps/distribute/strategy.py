@@ -214,9 +214,20 @@ class ParameterServerStrategy(_SingleReplicaStrategy):
     def closed(self) -> bool:
         return self._group is not None and self._group.closed
 
-    def _check_open(self, what: str) -> None:
+    def check_open(self, what: str) -> None:
+        """Raise ``ClosedError`` naming ``what`` if the strategy was closed."""
         if self._group is not None:
             self._group.check_open(what)
+
+    @property
+    def group(self) -> ServerGroup | None:
+        """The parameter servers' Dask actors, started and released together (None in a worker's view)."""
+        return self._group
+
+    @property
+    def token(self) -> str:
+        """The strategy's id: its servers' keys, its variables and its coordinator's topic carry it."""
+        return self._token
 
     def __enter__(self) -> ParameterServerStrategy:
         return self
@@ -227,7 +238,7 @@ class ParameterServerStrategy(_SingleReplicaStrategy):
     @contextmanager
     def scope(self) -> Iterator[ParameterServerStrategy]:
         """Make this strategy current: variables made inside go to its parameter servers."""
-        self._check_open("strategy.scope()")
+        self.check_open("strategy.scope()")
         with super().scope():
             yield self
 
@@ -261,7 +272,7 @@ class ParameterServerStrategy(_SingleReplicaStrategy):
         """Create a variable on the servers (called by ``Variable(...)`` in this scope)."""
         if self._group is None:
             raise RuntimeError("variables can only be created on the coordinator, not inside a scheduled function")
-        self._check_open("a new variable")
+        self.check_open("a new variable")
         if initial_value is None and self._variable_partitioner is not None:
             raise ValueError(
                 "initial_value must be given (an array-like or a callable) when the strategy has a "
@@ -289,7 +300,7 @@ class ParameterServerStrategy(_SingleReplicaStrategy):
 
     def ps_stats(self) -> list[dict[str, Any]]:
         """Counters and sizes of every parameter server, one call per server."""
-        self._check_open("strategy.ps_stats()")
+        self.check_open("strategy.ps_stats()")
         return protocol.stats(self._ps, self._group)
 
     def _repr_html_(self) -> str:

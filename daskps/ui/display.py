@@ -25,7 +25,7 @@ def server_rows(strategy: Any) -> list[dict[str, Any]]:
     if strategy.closed:
         return [{"task": ps.task_id, "device": ps.device, "address": ps.address, "status": "closed"}
                 for ps in strategy.servers]
-    results = protocol.stats(strategy.servers, strategy._group, display_timeout())
+    results = protocol.stats(strategy.servers, strategy.group, display_timeout())
     rows = []
     for ps, res in zip(strategy.servers, results):
         row: dict[str, Any] = {"task": ps.task_id, "device": ps.device, "address": ps.address}

@@ -73,11 +73,11 @@ def _create(initializer: Any, shape: tuple, dtype: np.dtype, axis: int, num: int
     mode = context.current_mode()
     strategy: Any = mode.strategy
     if getattr(strategy, "_variable_creator", None) is not None and mode.replica_context is None:
-        if strategy._group is None:
+        if strategy.group is None:
             raise RuntimeError("variables can only be created on the coordinator, not inside a scheduled function")
-        strategy._check_open("create_partitioned_variables")
+        strategy.check_open("create_partitioned_variables")
         parts = placement.create_div_parts(strategy, initializer, shape, dtype, axis, num, name)
-        return [Variable._from_ref(p.ref, p.shape, p.dtype, trainable, strategy._token) for p in parts]
+        return [Variable._from_ref(p.ref, p.shape, p.dtype, trainable, strategy.token) for p in parts]
     out = []
     for i, (part_shape, offset) in enumerate(placement.div_specs(shape, axis, num)):
         fn = initializer if callable(initializer) else None

@@ -308,7 +308,7 @@ def _rebuild(ref: Ref, shape: tuple, dtype: str, trainable: bool, token: str | N
 
 def _wrap_placed(placed: Any, strategy: Any) -> Any:
     """Variables (or a ShardedVariable) for what a strategy's placement created."""
-    parts = [Variable._from_ref(p.ref, p.shape, p.dtype, placed.trainable, strategy._token) for p in placed.parts]
+    parts = [Variable._from_ref(p.ref, p.shape, p.dtype, placed.trainable, strategy.token) for p in placed.parts]
     return ShardedVariable(parts, name=placed.name) if placed.sharded else parts[0]
 
 
