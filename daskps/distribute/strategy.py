@@ -63,7 +63,7 @@ class ParameterServerExtended(_SingleReplicaExtended):
                 f"got {colocate_with_variable!r}"
             )
         # Only its server: a context may be copied into callbacks that outlive the block.
-        token = self._colocate_with.set(colocate_with_variable._ref.server)
+        token = self._colocate_with.set(colocate_with_variable.handle.server)
         try:
             yield
         finally:

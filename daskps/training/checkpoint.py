@@ -146,7 +146,7 @@ class Checkpoint:
         items = []
         for name, t in tensors.items():
             opts = [(p, o._key) for p, o in optimizers.items()] if t.slotted else []
-            items += [(v._ref, (name, offset, opts)) for v, offset in t.parts]
+            items += [(v.handle, (name, offset, opts)) for v, offset in t.parts]
         nbytes = sum(v.nbytes for t in tensors.values() for v, _ in t.parts)
         show = progress if progress is not None else nbytes >= float(dask.config.get("daskps.progress-bytes"))
         run = lambda: protocol.save(path, items)  # noqa: E731
@@ -187,22 +187,22 @@ class Checkpoint:
         saved = manifest["tensors"]
         if servers is not None:
             tensors = {name: t for name, t in tensors.items() if name in saved
-                       and any(v._ref.server in servers for v, _ in t.parts)}
+                       and any(v.handle.server in servers for v, _ in t.parts)}
         slots_of = _slot_index(saved)
         _check_match(tensors, saved, slots_of, path)
         _check_optimizers_reach(tensors, optimizers, slots_of, path)
         items = []
         for name, t in tensors.items():
             for v, offset in t.parts:
-                if servers is not None and v._ref.server not in servers:
+                if servers is not None and v.handle.server not in servers:
                     continue
                 stop = offset + (v.shape[0] if v.shape else 1)
                 slots = ({o._key: _saved_slots(slots_of, saved[name], name, p) for p, o in optimizers.items()}
                          if t.slotted else {})
                 pieces = saved[name]["pieces"]
-                items.append((v._ref, {"start": offset, "stop": stop, "pieces": pieces, "slots": slots}))
+                items.append((v.handle, {"start": offset, "stop": stop, "pieces": pieces, "slots": slots}))
         protocol.restore(path, items)
-        manifest["restored"] = {name: [v._ref.key for v, _ in t.parts] for name, t in tensors.items()}
+        manifest["restored"] = {name: [v.handle.key for v, _ in t.parts] for name, t in tensors.items()}
         return manifest
 
     def __repr__(self) -> str:
@@ -369,10 +369,10 @@ def _check_optimizers_reach(tensors: dict[str, _Tensor], optimizers: dict[str, O
                 continue
             reach = {r.server for r in opt._refs}
             for v, _ in t.parts:
-                if v._ref.server not in reach:
+                if v.handle.server not in reach:
                     raise ValueError(
                         f"cannot restore from {path!r}; nothing was changed: optimizer {opt_path!r} "
-                        f"({opt.name!r}) has slots for {name!r}, which lives on {v._ref.server.label}, but the "
+                        f"({opt.name!r}) has slots for {name!r}, which lives on {v.handle.server.label}, but the "
                         "optimizer was created outside strategy.scope() and keeps its state in this process "
                         "only; create it inside the scope"
                     )

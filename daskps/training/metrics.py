@@ -64,11 +64,11 @@ class Metric:
         return list(self._state)
 
     def _add(self, *deltas: float) -> None:
-        protocol.update([(v._ref, "add", np.float64(d)) for v, d in zip(self._state, deltas)])
+        protocol.update([(v.handle, "add", np.float64(d)) for v, d in zip(self._state, deltas)])
 
     def reset_state(self) -> None:
         """Zero the state (one call to its server)."""
-        protocol.update([(v._ref, "assign", np.float64(0)) for v in self._state])
+        protocol.update([(v.handle, "assign", np.float64(0)) for v in self._state])
 
     def reset_states(self) -> None:
         """Same as :meth:`reset_state` (TensorFlow 2's older name)."""

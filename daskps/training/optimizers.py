@@ -316,13 +316,13 @@ class Optimizer:
         items: list[tuple[Any, str, Any]] = []
         for (var, _, _), (kind, payload) in zip(checked, clipped):
             items.extend(_split_gradient(var, kind, payload))
-        counter = self.iterations._ref
-        if counter.server.is_local and any(not v._ref.server.is_local for v, _, _ in items):
+        counter = self.iterations.handle
+        if counter.server.is_local and any(not v.handle.server.is_local for v, _, _ in items):
             raise RuntimeError(
                 f"optimizer {self.name!r} was created outside strategy.scope(), so its iterations "
                 "counter is not on a parameter server; create it inside the scope"
             )
-        protocol.apply_gradients(self._key, [(v._ref, kind, g) for v, kind, g in items], counter)
+        protocol.apply_gradients(self._key, [(v.handle, kind, g) for v, kind, g in items], counter)
 
     def __repr__(self) -> str:
         rate = self._transform.learning_rate  # a schedule as itself: no call to a server
@@ -338,7 +338,7 @@ def _rebuild(cls: type, transform: Any, lazy: bool, name: str, iterations: Varia
 
 
 def _refs_of(var: Any, arg: str) -> list[Any]:
-    return [v._ref for v in shards_of(var, arg)]
+    return [v.handle for v in shards_of(var, arg)]
 
 
 def as_gradient(grad: Any) -> Any:

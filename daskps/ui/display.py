@@ -86,7 +86,7 @@ def strategy_text(strategy: Any) -> str:
 
 
 def _where(v: Any) -> str:
-    server = v._ref.server
+    server = v.handle.server
     return "this process" if server.is_local else server.address
 
 

@@ -26,7 +26,7 @@ __all__ = ["clip_rows", "gather_rows", "getitem", "plan_rows", "split_rows"]
 
 
 def _fetch(items: list[tuple[Any, Any]]) -> list[np.ndarray]:
-    return protocol.read([(shard._ref, index) for shard, index in items])
+    return protocol.read([(shard.handle, index) for shard, index in items])
 
 
 def split_rows(offsets: Sequence[int], idx: np.ndarray, values: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -120,6 +120,11 @@ class Variable(ArrayLike, metaclass=_VariableMeta):
 
     # -- properties ---------------------------------------------------------
     @property
+    def handle(self) -> Ref:
+        """The handle of the array on its parameter server (as TensorFlow's ``Variable.handle``)."""
+        return self._ref
+
+    @property
     def name(self) -> str:
         return self._ref.name
 
@@ -262,7 +267,7 @@ class ShardedVariable(ArrayLike):
 
     def numpy(self) -> np.ndarray:
         """The whole value: every shard read, one call per parameter server."""
-        return np.concatenate(protocol.read([(v._ref, None) for v in self._variables]), axis=0)
+        return np.concatenate(protocol.read([(v.handle, None) for v in self._variables]), axis=0)
 
     def __getitem__(self, index: Any) -> np.ndarray:
         """``value[index]`` with numpy's semantics, reading only the rows touched."""
@@ -271,16 +276,16 @@ class ShardedVariable(ArrayLike):
     # -- updates ------------------------------------------------------------
     def _dense(self, op: str, value: Any, arg: str) -> ShardedVariable:
         payload = check_update(self._shape, self.dtype, self._name, op, value, arg)
-        protocol.update([(v._ref, op, payload[a:b]) for v, a, b in self._spans()])
+        protocol.update([(v.handle, op, payload[a:b]) for v, a, b in self._spans()])
         return self
 
     def _scatter(self, op: str, payload: tuple) -> ShardedVariable:
         idx, vals = check_update(self._shape, self.dtype, self._name, op, payload)
         if op == BATCH_SCATTER and idx.ndim > 1:  # batch axis 0 is the sharded axis
-            items = [(v._ref, op, (idx[a:b], vals[a:b])) for v, a, b in self._spans()]
+            items = [(v.handle, op, (idx[a:b], vals[a:b])) for v, a, b in self._spans()]
         else:
             parts = rows.split_rows(self._offsets, idx, vals)
-            items = [(v._ref, op, part) for v, part in zip(self._variables, parts) if len(part[0])]
+            items = [(v.handle, op, part) for v, part in zip(self._variables, parts) if len(part[0])]
         protocol.update(items)
         return self
 
@@ -371,7 +376,7 @@ def read_values(variables: Any) -> Any:
             if not path:
                 raise
             raise type(exc)(f"variables at {trees.describe(path)}: {exc}") from None
-    values = protocol.read([(leaf._ref, index) for items, _ in plans for leaf, index in items])
+    values = protocol.read([(leaf.handle, index) for items, _ in plans for leaf, index in items])
     out, i = [], 0
     for items, assemble in plans:
         out.append(assemble(values[i : i + len(items)]))
