@@ -93,6 +93,16 @@ def test_evaluates_a_from_dask_dataset_on_the_evaluator_reading_every_row_once(w
     held = with_evaluator.who_has([f for fs in with_evaluator.get_dataset(name) for f in fs])
     evaluator = next(a for a, w in with_evaluator.scheduler_info()["workers"].items() if w["name"] == "evaluator-0")
     assert all(list(where) == [evaluator] for where in held.values()), (held, evaluator)
+    # Dropping the evaluator releases the partitions it persisted and published.
+    import gc
+    import time
+
+    del sidecar
+    gc.collect()
+    deadline = time.monotonic() + 20
+    while name in with_evaluator.list_datasets() or with_evaluator.who_has(list(held)):
+        assert time.monotonic() < deadline, "the sidecar's data was not released"
+        time.sleep(0.1)
 
 
 def test_evaluates_a_from_dask_dataset_here_without_an_evaluator(client, tmp_path):
