@@ -4,6 +4,7 @@ The hierarchy::
 
     DaskPSError
     ├── PSUnavailableError      a parameter server cannot be reached, or lost its state
+    ├── PartlyAppliedError      (internal) a message failed after its held-back pushes ran
     ├── ClosedError             the strategy (or the Dask client) was closed
     ├── CancelledError          a scheduled function was cancelled
     ├── OutOfRangeError         a per-worker iterator is exhausted
@@ -23,6 +24,7 @@ __all__ = [
     "NotScheduledError",
     "OutOfRangeError",
     "PSUnavailableError",
+    "PartlyAppliedError",
     "RollbackWarning",
 ]
 
@@ -37,7 +39,37 @@ class PSUnavailableError(DaskPSError, ConnectionError):
     Raised when the worker holding a parameter-server actor has died or
     restarted. The message says which, and names the variables that server
     held: they are gone; restore them from a checkpoint.
+
+    ``server_key`` is the lost server's actor key and ``what`` the sentence
+    saying what happened to it (without the variables), so that a process
+    that holds other handles there can name them (both ``None`` when not
+    known). Both travel with the error by pickle.
     """
+
+    def __init__(self, message: str, server_key: str | None = None, what: str | None = None):
+        super().__init__(message)
+        self.server_key = server_key
+        self.what = what
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (str(self), self.server_key, self.what))
+
+
+class PartlyAppliedError(DaskPSError):
+    """A message to a parameter server failed after the pushes held back at its front ran.
+
+    Internal: the protocol takes it apart before anything reaches the user.
+    ``error`` is what failed, ``outcomes`` has, for each held-back push, ``None``
+    or the ``Refused`` record of why it was refused.
+    """
+
+    def __init__(self, error: BaseException, outcomes: list):
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.error = error
+        self.outcomes = outcomes
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.error, self.outcomes))
 
 
 class ClosedError(DaskPSError, RuntimeError):

@@ -117,13 +117,19 @@ def two_ps_training(client: Client, directory, sleep: float = 0.0, saved_after: 
     return strategy, a, b, manager, coordinator, step
 
 
+def _running(address: str, dask_scheduler=None) -> bool:
+    ws = dask_scheduler.workers.get(address)
+    return ws is not None and ws.status.name == "running"
+
+
 def wait_for_worker(client: Client, name: str, old_address: str | None, timeout: float = 60) -> str:
-    """Wait until the Nanny has brought ``name`` back at a new address (or a new worker ``name`` came)."""
+    """Wait until the Nanny has brought ``name`` back at a new address (or a new worker ``name`` came),
+    and the scheduler sees it running (a worker still starting, its plugins being set up, takes no tasks)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             addr = worker_address(client, name)
-            if addr != old_address:
+            if addr != old_address and client.run_on_scheduler(_running, addr):
                 return addr
         except LookupError:
             pass

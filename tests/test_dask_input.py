@@ -152,7 +152,9 @@ def test_a_dropped_dataset_frees_its_partitions(client, coordinator):
     dataset_id = ds._spec.dataset_id
 
     def built(dask_worker):
-        state = getattr(dask_worker, "_daskps_state", None)
+        from daskps.ps.worker_state import existing_part
+
+        state = existing_part(dask_worker, "datasets")
         return state is not None and dataset_id in state.datasets
 
     assert any(client.run(built).values())

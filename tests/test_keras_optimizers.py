@@ -143,8 +143,10 @@ def test_the_transform_resent_to_a_recreated_server_carries_the_schedule(strateg
         opt = dps.optimizers.Nadam(schedule("cosine_warmup"), clipnorm=1.0)
     recipes = {r.recipe for r in opt._refs}
     assert len(recipes) == 1
-    kind, transform, _, _ = recipes.pop()
-    assert kind == "optimizer" and transform.learning_rate == schedule("cosine_warmup")
+    from daskps.ps import ops
+
+    recipe = recipes.pop()
+    assert isinstance(recipe, ops.AddOptimizer) and recipe.transform.learning_rate == schedule("cosine_warmup")
 
 
 def test_a_pickled_optimizer_keeps_its_clipping():
@@ -278,7 +280,7 @@ def test_a_refused_apply_changes_no_state_on_the_servers(strategy):
 
 def test_a_refused_batch_on_a_server_changes_no_state(strategy):
     """The server checks every gradient before applying any: slots and counts stay as they were."""
-    from daskps.ps import protocol
+    from daskps.ps import ops, protocol
 
     starts, grads, after = dense_case("Ftrl-args")
     with strategy.scope():
@@ -287,7 +289,7 @@ def test_a_refused_batch_on_a_server_changes_no_state(strategy):
     opt.apply([grads[0][0]], [v])
     work = [(v._ref.key, "dense", grads[1][0]), (v._ref.key, "dense", np.ones(3, np.float32))]
     with pytest.raises(ValueError, match="shape"):
-        protocol._run([(v._ref.server, "apply_gradients", (opt._key, work, None))])
+        protocol.call([(v._ref.server, ops.ApplyGradients(opt._key, work, None))])
     for i in range(1, STEPS):
         opt.apply([grads[i][0]], [v])
     np.testing.assert_allclose(v.numpy(), after[-1][0], rtol=0, atol=ATOL)

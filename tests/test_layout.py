@@ -84,12 +84,21 @@ def test_layers_import_only_layers_below():
     assert not wrong, wrong
 
 
+# What both ends of a message share: the operations and the table kinds (numpy and the core only).
+SHARED = {"daskps.ps", "daskps.ps.ops", "daskps.ps.tables"}
+
+
+def _server_side(module: str) -> bool:
+    return module.startswith("daskps._core") or module == "daskps.errors" or module in SHARED
+
+
 def test_the_server_imports_nothing_from_the_client_side():
-    deps = import_graph()["daskps.ps.server"]
-    assert all(d.startswith("daskps._core") or d == "daskps.errors" for d in deps), deps
+    graph = import_graph()
+    for module in ("daskps.ps.server", "daskps.ps.ops", "daskps.ps.tables"):
+        assert all(_server_side(d) for d in graph[module]), (module, graph[module])
 
 
-def test_only_the_protocol_talks_to_dask_comms():
+def test_only_the_transport_talks_to_dask_comms():
     talkers = [name for name, path in ((_module_name(p), p) for p in ROOT.rglob("*.py"))
                if "send_recv" in path.read_text() or "actor_execute" in path.read_text()]
-    assert talkers == ["daskps.ps.protocol"], talkers
+    assert talkers == ["daskps.ps.transport"], talkers

@@ -136,14 +136,15 @@ def test_dropped_variables_and_their_slots_are_freed(strategy):
 
 
 def test_local_variables_are_freed_too():
-    from daskps.ps.protocol import _LOCAL
+    from daskps.ps import ops
+    from daskps.ps.transport import LOCAL_SERVER
 
-    before = _LOCAL.server.stats()["num_variables"]
+    before = LOCAL_SERVER.server.stats(ops.Stats()).num_variables
     vs = [dps.Variable(np.ones(10)) for _ in range(100)]
-    assert _LOCAL.server.stats()["num_variables"] == before + 100
+    assert LOCAL_SERVER.server.stats(ops.Stats()).num_variables == before + 100
     del vs
     gc.collect()
-    assert _LOCAL.server.stats()["num_variables"] == before
+    assert LOCAL_SERVER.server.stats(ops.Stats()).num_variables == before
 
 
 def _ones(shape, dtype):
@@ -244,7 +245,9 @@ def test_handles_that_die_with_the_function_cost_no_round_trip(strategy, coordin
 
 # -- per-worker datasets ---------------------------------------------------------------------
 def _dataset_state(dask_worker):
-    state = getattr(dask_worker, "_daskps_state", None)
+    from daskps.ps.worker_state import existing_part
+
+    state = existing_part(dask_worker, "datasets")
     return sorted(state.datasets) if state is not None else []
 
 
@@ -257,7 +260,8 @@ def test_datasets_are_built_on_trainers_only_and_forgotten_when_dropped(client):
         coordinator.schedule(lambda it: next(it), args=(it,))
     coordinator.join()
     plugins = client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.worker_plugins))
-    assert not [p for p in plugins if "daskps" in str(p)]  # nothing registered with the scheduler
+    # nothing per dataset registered with the scheduler: only daskps' one worker plugin of the cluster
+    assert [p for p in plugins if "daskps" in str(p)] == ["daskps-worker"]
     ps = set(strategy.cluster_resolver.cluster_spec()["ps"])
     built = client.run(_dataset_state)
     assert all(dataset._spec.dataset_id not in built[a] for a in ps)

@@ -87,9 +87,8 @@ def test_slots_live_beside_their_variables(strategy):
 
     def slots(dask_worker):
         for actor in dask_worker.state.actors.values():
-            if hasattr(actor, "_slots"):
-                for per_var in actor._slots.values():
-                    yield from ((k, type(s).__name__, sorted(s._asdict())) for k, s in per_var.items())
+            for k, table in getattr(actor, "_tables", {}).items():  # each table keeps its optimizers' slots
+                yield from ((k, type(s).__name__, sorted(s._asdict())) for s in table.slots.values())
 
     seen = strategy.client.run(lambda dask_worker: list(slots(dask_worker)))
     where = {k: addr for addr, found in seen.items() for k, _, _ in found}
@@ -150,12 +149,12 @@ def test_server_checks_gradients_too(strategy):
     with strategy.scope():
         opt = dps.optimizers.SGD(0.1)
         v = dps.Variable(np.ones(3, np.float32))
-    from daskps.ps import protocol
+    from daskps.ps import ops, protocol
 
     work = [(v._ref.key, "dense", np.ones(3, np.float32)), (v._ref.key, "dense", np.ones(4, np.float32))]
     bump = opt.iterations._ref.key if opt.iterations._ref.server == v._ref.server else None
     with pytest.raises(ValueError, match="shape"):
-        protocol._run([(v._ref.server, "apply_gradients", (opt._key, work, bump))])
+        protocol.call([(v._ref.server, ops.ApplyGradients(opt._key, work, bump))])
     assert v.numpy().tolist() == [1, 1, 1] and int(opt.iterations.numpy()) == 0
 
 

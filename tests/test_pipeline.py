@@ -97,7 +97,8 @@ def test_a_failed_push_fails_the_function_that_made_it(strategy, coordinator):
 def test_a_push_the_server_refuses_fails_its_own_function(strategy, coordinator):
     """An error only the server sees (here: the variable was released under a live handle)
     comes back with a later message; it is reported as the error of the function that pushed."""
-    from daskps.ps import protocol
+    from daskps.ps import ops, protocol
+    from daskps.ps.routing import HOLDER
 
     with strategy.scope():
         gone = dps.Variable(0.0, name="gone")
@@ -106,7 +107,7 @@ def test_a_push_the_server_refuses_fails_its_own_function(strategy, coordinator)
         with strategy.scope():
             other = dps.Variable(5.0, name="other")
     assert gone._ref.server == other._ref.server
-    protocol._run([(gone._ref.server, "release", ([gone._ref.key], protocol.HOLDER))])
+    protocol.call([(gone._ref.server, ops.Release([gone._ref.key], HOLDER))])
 
     def push():
         gone.assign_add(1.0)  # held back: no error here

@@ -156,12 +156,12 @@ def test_integer_scatter_div_by_zero_is_refused():
 def test_server_refuses_out_of_range_rows_too(strategy):
     with strategy.scope():
         v = dps.Variable(np.zeros((3, 1), np.float32))
-    from daskps.ps import protocol
+    from daskps.ps import ops, protocol
 
     bad = [(v._ref.key, "scatter_add", (np.array([0]), np.ones((1, 1), np.float32))),
            (v._ref.key, "scatter_add", (np.array([3]), np.ones((1, 1), np.float32)))]
     with pytest.raises(IndexError):
-        protocol._run([(v._ref.server, "update", (bad,))])
+        protocol.call([(v._ref.server, ops.Update(bad))])
     np.testing.assert_array_equal(v.numpy(), np.zeros((3, 1)))
 
 

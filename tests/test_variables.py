@@ -132,11 +132,11 @@ def test_server_validates_too(strategy):
     """The ps checks every update before applying any: a batch with one bad item changes nothing."""
     with strategy.scope():
         a = dps.Variable([1.0, 2.0])
-    from daskps.ps import protocol
+    from daskps.ps import ops, protocol
 
     with pytest.raises(ValueError, match="shape"):
-        protocol._run([(a._ref.server, "update", ([(a._ref.key, "add", np.ones(2, np.float32)),
-                                                   (a._ref.key, "add", np.ones(3))],))])
+        protocol.call([(a._ref.server, ops.Update([(a._ref.key, "add", np.ones(2, np.float32)),
+                                                  (a._ref.key, "add", np.ones(3))]))])
     np.testing.assert_array_equal(a.numpy(), [1.0, 2.0])
 
 

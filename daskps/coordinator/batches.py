@@ -43,6 +43,7 @@ from daskps.errors import OutOfRangeError
 from daskps.ps import pipeline, protocol, refs
 from daskps.ps.group import generation_known
 from daskps.ps.plugin import REPORTED_HANDLER, FunctionReport
+from daskps.ps.routing import ROUTES, ServerRef
 
 OK, BIG, ERROR = "ok", "big", "error"
 _LEAVING = frozenset({Status.closing_gracefully, Status.closing, Status.closed, Status.failed})
@@ -63,9 +64,9 @@ def run_batch(strategy_blob: bytes, topic: str, batch_key: str, batch: bytes) ->
     worker = get_worker()
     answer = sync(worker.loop, getattr(worker.scheduler, REPORTED_HANDLER), key=batch_key)
     if answer["moves"]:
-        refs.follow({old: protocol.ServerRef(*new) for old, new in answer["moves"].items()})
+        refs.follow({old: ServerRef(*new) for old, new in answer["moves"].items()})
     strategy = pickle.loads(strategy_blob)
-    if protocol.MOVED:  # a view of the strategy made before a server moved
+    if ROUTES.moved:  # a view of the strategy made before a server moved
         strategy.follow_moved_servers()
     closures = pickle.loads(batch)
     reported = set(answer["reported"])

@@ -59,8 +59,9 @@ from daskps.coordinator.recovery import RecoveryControl, RecoveryState
 from daskps.coordinator.remote import FAILED, PENDING, RemoteValue, to_numpy
 from daskps.distribute.strategy import ParameterServerStrategy
 from daskps.errors import CancelledError, PSUnavailableError, RollbackWarning
-from daskps.ps import protocol, refs
+from daskps.ps import refs
 from daskps.ps.plugin import BATCH_TOPIC_PREFIX, LOST, FunctionReport
+from daskps.ps.routing import ROUTES
 from daskps.training.checkpoint import CheckpointManager
 from daskps.ui.display import coordinator_html
 
@@ -364,7 +365,7 @@ class ClusterCoordinator:
                     if self._run_again(closure, error):
                         self._recovery.lossy.add(batch_key)
                     else:
-                        protocol.name_what_was_held(error)
+                        ROUTES.name_what_was_held(error)
                         self._fail(closure, error)
                 else:
                     closure.remote._finish(payload)
@@ -445,7 +446,7 @@ class ClusterCoordinator:
         if self._recovery.recovering:
             if key is not None:
                 self._recovery.lost_meanwhile.add(key)  # looked at when this recovery ends
-        elif key not in protocol.MOVED:
+        elif key not in ROUTES.moved:
             self._start_recovery()
         self._requeue(closure)
         return True
@@ -473,7 +474,7 @@ class ClusterCoordinator:
 
     def _should_recover(self, keys: Any) -> bool:
         return (self._manager is not None and not self._strategy.closed and self._client.status == "running"
-                and any(k not in protocol.MOVED for k in keys))
+                and any(k not in ROUTES.moved for k in keys))
 
     def _start_recovery(self) -> None:
         """Pause dispatch and recover in a thread (under the lock, which the thread needs to finish)."""

@@ -37,6 +37,8 @@ from daskps.distribute.values import InputContext
 from daskps.errors import NotScheduledError, OutOfRangeError
 from daskps.ps import protocol, refs
 from daskps.ps.plugin import add_cleanup, remove_cleanup
+from daskps.ps.routing import ServerRef
+from daskps.ps.worker_state import existing_part, part_on
 
 __all__ = ["PerWorkerDataset", "PerWorkerIterator", "PerWorkerValues"]
 
@@ -116,7 +118,7 @@ class PerWorkerIterator(PerWorkerValues):
 def _iterator(dataset_id: str, iterator_id: int, address: str, actor_key: str, task_id: int,
               worker_names: tuple[str, ...], stops: bool = False) -> PerWorkerIterator:
     """An iterator handle that arrived by pickle (compact: it travels with every scheduled function)."""
-    server = protocol.ServerRef(address, actor_key, task_id)
+    server = ServerRef(address, actor_key, task_id)
     blob = refs.borrow(server, f"dataset-{dataset_id}", f"<dataset {dataset_id}>")
     return PerWorkerIterator(_DatasetSpec(dataset_id, blob, worker_names, stops), iterator_id)
 
@@ -147,9 +149,9 @@ class PerWorkerDataset:
         servers = strategy.servers
         server = servers[int(dataset_id[:8], 16) % len(servers)]
         key = f"dataset-{dataset_id}"
-        protocol.put_blob(server, key, blob, strategy.group)
+        recipe = protocol.put_blob(server, key, blob, strategy.group)
         held = refs.owned(server, key, f"<dataset {dataset_id}>", strategy.group)
-        held.recipe = ("blob", blob)
+        held.recipe = recipe
         self._spec = _DatasetSpec(dataset_id, held, _trainers_now(strategy), stops)
         self._fn = dataset_fn  # whatever it captured stays alive as long as the dataset
         self._keep = keep
@@ -206,7 +208,7 @@ def _forget_later(client: Any, dataset_id: str, server_key: str) -> None:
 
 
 def _forget_on_worker(dataset_id: str, dask_worker: Any = None) -> None:
-    state = getattr(dask_worker, "_daskps_state", None)
+    state = existing_part(dask_worker, "datasets")
     if state is not None:
         state.forget(dataset_id)
 
@@ -356,10 +358,7 @@ def call_position(iterator: object) -> tuple[int | None, int]:
 
 
 def _state(worker: Any) -> _WorkerState:
-    state = getattr(worker, "_daskps_state", None)
-    if state is None:
-        state = worker._daskps_state = _WorkerState(worker)
-    return state
+    return part_on(worker, "datasets", _WorkerState)
 
 
 def local_worker_index(worker_names: tuple[str, ...]) -> int:

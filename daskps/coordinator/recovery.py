@@ -40,10 +40,10 @@ from distributed import wait
 
 from daskps.distribute.cluster import cluster_workers
 from daskps.errors import PSUnavailableError
-from daskps.ps import protocol, refs
+from daskps.ps import ops, protocol, refs
 from daskps.ps.group import key_generation
 from daskps.ps.plugin import move_cleanups, record_moves
-from daskps.ps.protocol import ServerRef
+from daskps.ps.routing import ROUTES, ServerRef, connect_timeout, quoted, recovery_timeout
 
 
 class RecoveryState(enum.Enum):
@@ -129,7 +129,7 @@ class Recovered:
 
 
 def _names(names: list[str]) -> str:
-    return protocol.quoted(names, 12) or "nothing"
+    return quoted(names, 12) or "nothing"
 
 
 def lost_servers(group: Any) -> list[ServerRef]:
@@ -143,7 +143,7 @@ def lost_servers(group: Any) -> list[ServerRef]:
     servers = list(group.servers)
     gone = [s for s in servers if s.address not in live]
     rest = [s for s in servers if s.address in live]
-    answers = protocol.stats(rest, group, timeout=protocol.connect_timeout())
+    answers = protocol.stats_within(rest, group, connect_timeout())
     return gone + [s for s, a in zip(rest, answers) if isinstance(a, PSUnavailableError)]
 
 
@@ -166,7 +166,7 @@ def recover(strategy: Any, manager: Any, done: Callable[[], Counter[int]]) -> Re
     lost = lost_servers(group)
     if not lost:
         return None
-    deadline = time.monotonic() + protocol.recovery_timeout()
+    deadline = time.monotonic() + recovery_timeout()
     pairs = []
     for old in lost:
         assert old.task_id is not None
@@ -175,15 +175,15 @@ def recover(strategy: Any, manager: Any, done: Callable[[], Counter[int]]) -> Re
                                    functools.partial(_move_cleanups, group.client)))
     made = [_remake(group, old, new) for old, new in pairs]
     news = [new for _, new in pairs]
-    protocol.hold(news)  # calls from other threads here wait until the new servers are restored
+    ROUTES.hold(news)  # calls from other threads here wait until the new servers are restored
     try:
-        protocol.move({old.actor_key: new for old, new in pairs})
+        ROUTES.move({old.actor_key: new for old, new in pairs})
         variables = {r.key: r.name for keys in made for r in keys}
         latest = manager.latest_checkpoint
         rolled_back: list[str] = []
         if latest is not None:
             try:
-                with protocol.past_holds():
+                with ROUTES.past_holds():
                     manifest = manager.checkpoint.restore_on(latest, servers=set(news))
             except Exception as exc:
                 raise PSUnavailableError(
@@ -198,9 +198,9 @@ def recover(strategy: Any, manager: Any, done: Callable[[], Counter[int]]) -> Re
                     variables.pop(key, None)
         # Only now do trainers learn the new routes: batches as they start, and every worker at once.
         group.client.run_on_scheduler(record_moves, {old.actor_key: tuple(new) for old, new in pairs})
-        _tell_workers(group.client, dict(protocol.MOVED))
+        _tell_workers(group.client, dict(ROUTES.moved))
     finally:
-        protocol.release_holds(news)
+        ROUTES.release_holds(news)
     at_save = manager.finished_at(latest) if latest is not None else None
     return Recovered(pairs, latest, rolled_back, sorted(set(variables.values())),
                      None if at_save is None else _finished_on(pairs, done(), at_save), time.monotonic() - started)
@@ -274,17 +274,12 @@ def _move_cleanups(client: Any, old: ServerRef, new: ServerRef) -> None:
 
 def _remake(group: Any, old: ServerRef, new: ServerRef) -> list[Any]:
     """Make on ``new`` every object this process holds on ``old``; return the variables' handles."""
-    held = [r for (server, _), r in list(protocol.HANDLES.items()) if server == old and r.recipe is not None]
-    variables = [r for r in held if r.recipe[0] == "variable"]
-    specs = [dataclasses.replace(r.recipe[1], server=new) for r in variables]
-    for result in protocol.create(specs, group):
-        if isinstance(result, BaseException):
-            raise PSUnavailableError(f"parameter server ps:{old.task_id} was lost, and making its variables "
-                                     f"again failed: {type(result).__name__}: {result}") from result
-    for r in held:
-        if r.recipe[0] == "optimizer":
-            _, transform, lazy_sparse, name = r.recipe
-            protocol.add_optimizer([new], r.key, transform, lazy_sparse, name, group)
-        elif r.recipe[0] == "blob":
-            protocol.put_blob(new, r.key, r.recipe[1], group)
-    return variables
+    held = [r for r in ROUTES.on(old) if r.recipe is not None]
+    try:
+        protocol.remake(new, [r.recipe for r in held], group)
+    except PSUnavailableError:
+        raise
+    except Exception as exc:
+        raise PSUnavailableError(f"parameter server ps:{old.task_id} was lost, and making its variables "
+                                 f"again failed: {type(exc).__name__}: {exc}") from exc
+    return [r for r in held if isinstance(r.recipe, ops.Create)]

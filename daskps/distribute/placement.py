@@ -18,15 +18,16 @@ import dataclasses
 import numbers
 import uuid
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import dask.config
 import numpy as np
 
 from daskps._core.arrays import call_initializer, default_array
 from daskps.distribute.partitioners import div_offsets
-from daskps.ps import protocol, refs
-from daskps.ps.protocol import ServerRef
+from daskps.ps import ops, protocol, refs
+from daskps.ps.routing import ServerRef
+from daskps.ps.tables import DenseSpec
 
 
 @dataclasses.dataclass
@@ -61,7 +62,7 @@ class Placed:
     trainable: bool
 
 
-def _spec(p: Part) -> protocol.CreateSpec:
+def _spec(p: Part) -> tuple[ServerRef, ops.Create]:
     if callable(p.initial_value):
         value, init_fn = None, p.initial_value
     else:
@@ -71,8 +72,8 @@ def _spec(p: Part) -> protocol.CreateSpec:
             raise ValueError(f"initial_value has shape {np.shape(value)}, expected shape {p.shape}")
     dtype = None if p.dtype is None else np.dtype(p.dtype).str
     key = f"{p.name}@{uuid.uuid4().hex[:12]}"
-    return protocol.CreateSpec(p.server, key, p.name, value, init_fn, p.shape, dtype, p.partition_shape,
-                               p.partition_offset)
+    return protocol.table(p.server, key, p.name, DenseSpec(value, init_fn, p.shape, dtype, p.partition_shape,
+                                                           p.partition_offset))
 
 
 def create(owner: Any, parts: list[Part], whole: tuple | None = None) -> list[Created]:
@@ -85,17 +86,18 @@ def create(owner: Any, parts: list[Part], whole: tuple | None = None) -> list[Cr
     results = protocol.create(specs, owner)
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:
-        made = [(s.server, s.key) for s, r in zip(specs, results) if not isinstance(r, BaseException)]
+        made = [(s, op.key) for (s, op), r in zip(specs, results) if not isinstance(r, BaseException)]
         if made:
             with contextlib.suppress(Exception):  # the first error is the one to see
                 protocol.release(made, owner)
         raise errors[0]
-    if whole is not None and any(sliced for _, _, sliced in results):
+    made_all = cast(list[ops.Created], results)
+    if whole is not None and any(r.sliced for r in made_all):
         _warn_if_large(*whole)
-    created = [Created(refs.owned(s.server, s.key, s.name, owner), tuple(shape), np.dtype(dtype))
-               for s, (shape, dtype, _) in zip(specs, results)]
-    for s, c in zip(specs, created):
-        c.ref.recipe = ("variable", s)  # kept to make it again should its server be lost
+    created = [Created(refs.owned(s, op.key, op.name, owner), tuple(r.shape), np.dtype(r.dtype))
+               for (s, op), r in zip(specs, made_all)]
+    for (_, op), c in zip(specs, created):
+        c.ref.recipe = op  # kept to make it again should its server be lost
     return created
 
 

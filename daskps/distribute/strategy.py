@@ -33,7 +33,7 @@ from daskps.distribute.context import (
 from daskps.ps import protocol
 from daskps.ps.group import ServerGroup
 from daskps.ps.plugin import install_plugin
-from daskps.ps.protocol import ServerRef
+from daskps.ps.routing import ROUTES, ServerRef
 from daskps.ui.display import strategy_html, strategy_text
 
 __all__ = ["ParameterServerStrategy"]
@@ -178,7 +178,7 @@ class ParameterServerStrategy(_SingleReplicaStrategy):
 
     def follow_moved_servers(self) -> None:
         """Point at the servers re-created after losses (on a trainer, for a view made before a move)."""
-        self._ps = [protocol.current(s) for s in self._ps]
+        self._ps = [ROUTES.current(s) for s in self._ps]
 
     @property
     def client(self) -> Client | None:
@@ -301,7 +301,7 @@ class ParameterServerStrategy(_SingleReplicaStrategy):
     def ps_stats(self) -> list[dict[str, Any]]:
         """Counters and sizes of every parameter server, one call per server."""
         self.check_open("strategy.ps_stats()")
-        return protocol.stats(self._ps, self._group)
+        return [s.as_dict() for s in protocol.stats(self._ps, self._group)]
 
     def _repr_html_(self) -> str:
         return strategy_html(self)

@@ -24,7 +24,7 @@ import socket
 import struct
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from daskps._core import wire
@@ -168,6 +168,10 @@ def _pack_answer(answer: tuple) -> list:
 
 
 # -- the caller's end ----------------------------------------------------------------------------
+class ChannelError(ConnectionError):
+    """The connection itself failed (not the server's answer): the server may be gone."""
+
+
 class Channel:
     """This process's connection to one server; used by one thread at a time (``lock``).
 
@@ -189,27 +193,32 @@ class Channel:
             self._sock = sock
         return self._sock
 
-    def send(self, ops: list, by_value: bool = False) -> None:
+    def send(self, ops: Sequence[object], by_value: bool = False) -> None:
         parts = _framed(wire.pack(ops, by_value))
         try:
             _send_all(self._connected(), [memoryview(p).cast("B") for p in parts])
-        except BaseException:  # an error or an interrupt part-way: the stream is out of step
+        except OSError as exc:
+            self.close()
+            raise ChannelError(f"sending to {self.address} failed: {exc}") from exc
+        except BaseException:  # an interrupt part-way: the stream is out of step
             self.close()
             raise
 
     def receive(self) -> Any:
-        """The results of the request sent last; raises the server's error."""
+        """The results of the request sent last; raises the server's error, or :class:`ChannelError`."""
         try:
             sock = self._connected()
             count = _COUNT.unpack(_receive(sock, 8))[0]
             sizes = struct.unpack(f"!{count}Q", _receive(sock, 8 * count))
             status, value = wire.unpack([_receive(sock, n) for n in sizes])
-        except BaseException:  # an error or an interrupt (Ctrl-C) part-way: the answer is not all read
+        except OSError as exc:
+            self.close()
+            raise ChannelError(f"receiving from {self.address} failed: {exc}") from exc
+        except BaseException:  # an interrupt (Ctrl-C) part-way: the answer is not all read
             self.close()
             raise
         if status == "error":
-            value.daskps_from_server = True  # raised by the server: not a broken connection, even an OSError
-            raise value
+            raise value  # the server's own error (even an OSError: a full disk, say), not a broken channel
         return value
 
     def close(self) -> None:

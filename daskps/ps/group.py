@@ -18,8 +18,8 @@ import weakref
 from typing import Any
 
 from daskps.errors import ClosedError, PSUnavailableError
-from daskps.ps import protocol
-from daskps.ps.protocol import DaskParameterServer, ServerRef
+from daskps.ps.routing import ROUTES, ServerRef
+from daskps.ps.transport import CHANNELS, DaskParameterServer
 
 SERVER_KEY_PREFIX = "daskps-ps-"
 _KEY = re.compile(rf"{SERVER_KEY_PREFIX}(\d+)-([0-9a-f]+)(?:-g(\d+))?$")
@@ -58,9 +58,9 @@ def generation_known(token: str) -> int:
     made up to generation ``k``: it reached a lost server of generation
     ``g`` when ``g <= k`` and ``k`` is below the generation of its replacement.
     """
-    if not protocol.MOVED:
+    if not ROUTES.moved:
         return 0
-    parsed = [_parse(server.actor_key) for server in list(protocol.MOVED.values())]  # a copy: others may add
+    parsed = [_parse(server.actor_key) for server in list(ROUTES.moved.values())]  # a copy: others may add
     return max((p[2] for p in parsed if p is not None and p[1] == token), default=0)
 
 
@@ -94,7 +94,7 @@ class ServerGroup:
         self.servers = [ServerRef(addr, str(fut.key), i, ch)
                         for i, ((_, addr), fut, ch) in enumerate(zip(ps_workers, self._futures, channels))]
         _GROUPS[self.token] = self
-        weakref.finalize(self, protocol.forget_channels, self.servers)  # the list: servers re-created too
+        weakref.finalize(self, CHANNELS.forget, self.servers)  # the list: servers re-created too
 
     def _submit(self, task_id: int, address: str) -> Any:
         return self.client.submit(DaskParameterServer, task_id, actor=True, workers=[address],
@@ -128,7 +128,7 @@ class ServerGroup:
             previous, self._futures[task_id] = self._futures[task_id], future
             self.servers[task_id] = new
             self.worker_names[task_id] = worker[0]
-        protocol.forget_channels([old])
+        CHANNELS.forget([old])
         previous.release()
         return old, new
 
@@ -151,7 +151,7 @@ class ServerGroup:
                 return
             self.closed = True
             futures, self._futures = self._futures, []
-        protocol.forget_channels(self.servers)
+        CHANNELS.forget(self.servers)
         for fut in futures:
             try:
                 fut.release()

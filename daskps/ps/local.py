@@ -10,9 +10,8 @@ import collections
 import threading
 from typing import Any
 
+from daskps.ps import ops
 from daskps.ps.server import ParameterServer
-
-Ops = list[tuple[str, tuple]]
 
 
 class LocalTransport:
@@ -23,9 +22,9 @@ class LocalTransport:
         self._lock = threading.Lock()
         self._releases: collections.deque[tuple[str, str]] = collections.deque()
 
-    def run(self, ops: Ops) -> list:
+    def run(self, message: list[ops.Op]) -> list:
         with self._lock:
-            result = self.server.execute(ops)
+            result = self.server.execute(message)
         self._drain_if_free()
         return result
 
@@ -40,6 +39,6 @@ class LocalTransport:
             try:
                 while self._releases:
                     key, holder = self._releases.popleft()
-                    self.server.release([key], holder)
+                    self.server.release(ops.Release([key], holder))
             finally:
                 self._lock.release()

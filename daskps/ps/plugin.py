@@ -26,6 +26,9 @@ from distributed.protocol.pickle import dumps
 from daskps.ps import protocol
 from daskps.ps.group import parse_server_key
 from daskps.ps.ledger import InputLedger
+from daskps.ps.routing import ServerRef
+from daskps.ps.worker_state import WORKER_PLUGIN_NAME
+from daskps.ps.worker_state import register as register_worker_plugin
 
 PLUGIN_NAME = "daskps"
 BATCH_TOPIC_PREFIX = "daskps-batches-"
@@ -141,8 +144,8 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
             return ledger.claim_batch(self.scheduler, iterator, name, address, function, n)
         return ledger.claim(self.scheduler, iterator, name, address, want, started or ())
 
-    def server_refs(self) -> list[protocol.ServerRef]:
-        return [protocol.ServerRef(address, key, parse_server_key(key)[0])  # type: ignore[index]
+    def server_refs(self) -> list[ServerRef]:
+        return [ServerRef(address, key, parse_server_key(key)[0])  # type: ignore[index]
                 for key, address in sorted(self.servers.items())]
 
     def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:
@@ -212,9 +215,12 @@ def close_input(dataset: str, dask_scheduler: Any = None) -> None:
 
 
 def install_plugin(client: Any) -> None:
-    """Make sure the scheduler of ``client`` runs the plugin (once)."""
-    def has_plugin(dask_scheduler: Any) -> bool:
-        return PLUGIN_NAME in dask_scheduler.plugins
+    """Make sure the scheduler of ``client`` runs the plugin, and its workers daskps' worker plugin (once)."""
+    def has_plugins(dask_scheduler: Any) -> tuple[bool, bool]:
+        return PLUGIN_NAME in dask_scheduler.plugins, WORKER_PLUGIN_NAME in dask_scheduler.worker_plugins
 
-    if not client.run_on_scheduler(has_plugin):
+    on_scheduler, on_workers = client.run_on_scheduler(has_plugins)
+    if not on_scheduler:
         client.register_plugin(DaskPSSchedulerPlugin(), name=PLUGIN_NAME)
+    if not on_workers:
+        register_worker_plugin(client)

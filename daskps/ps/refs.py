@@ -33,9 +33,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from daskps.errors import PSUnavailableError
-from daskps.ps import protocol
+from daskps.ps import ops, protocol
 from daskps.ps.group import group_of
-from daskps.ps.protocol import ServerRef
+from daskps.ps.routing import HOLDER, ROUTES, ServerRef, holder_here
+from daskps.ps.transport import sender_for
 
 logger = logging.getLogger("daskps")
 
@@ -59,9 +60,9 @@ class Ref:
         self.server, self.key, self.name, self.owner = server, key, name, owner
         self.holder: str | None = None
         # On the coordinator: how to make the object again if its server is lost
-        # (see daskps.coordinator.recovery): ("variable", CreateSpec), ("optimizer", ...), ("blob", bytes).
-        self.recipe: tuple | None = None
-        protocol.HANDLES[(server, key)] = self
+        # (see daskps.coordinator.recovery): the operation that made it (Create, AddOptimizer, PutBlob).
+        self.recipe: ops.Op | None = None
+        ROUTES.add(server, key, self)
         if holder is not None:
             self.register(holder)
 
@@ -72,7 +73,7 @@ class Ref:
     def register(self, holder: str) -> None:
         """The server now counts this Ref for ``holder``: release when it dies."""
         self.holder = holder
-        sender = protocol.sender_for(self.server, self.owner)
+        sender = sender_for(self.server, self.owner)
         group = None if self.owner is None else weakref.ref(self.owner)
         weakref.finalize(self, _release, sender, self.server, self.key, holder, group).atexit = False
 
@@ -90,18 +91,18 @@ def _release(sender: Any, server: ServerRef, key: str, holder: str, group: weakr
     alive = None if group is None else group()
     if group is not None and (alive is None or alive.closed):
         return  # its servers were released already, and everything on them
-    sender.release_later(protocol.current(server), key, holder)
+    sender.release_later(ROUTES.current(server), key, holder)
 
 
 def owned(server: ServerRef, key: str, name: str, owner: Any = None) -> Ref:
     """The Ref of an object this process has just created (the server already counts it)."""
-    return Ref(server, key, name, owner, protocol.HOLDER)
+    return Ref(server, key, name, owner, HOLDER)
 
 
 def borrow(server: ServerRef, key: str, name: str) -> Ref:
     """The Ref for a handle that arrived by pickle: this process's own, or a new borrowed one."""
-    server = protocol.current(server)
-    ref = protocol.HANDLES.get((server, key))
+    server = ROUTES.current(server)
+    ref = ROUTES.find(server, key)
     if ref is None:
         ref = Ref(server, key, name, group_of(server), None)
         borrowed = _BORROWED.get()
@@ -175,10 +176,10 @@ def follow(moves: dict[str, ServerRef]) -> None:
     The handles this worker holds (escapes) are counted again on the new
     servers, which the coordinator filled with what it holds.
     """
-    held = [r for r in protocol.move(moves) if r.registered and r.owner is None]
+    held = [r for r in ROUTES.move(moves) if r.registered and r.owner is None]
     if not held:
         return
-    outcome = protocol.acquire([(r.server, r.key) for r in held], protocol.holder_here())
+    outcome = protocol.acquire([(r.server, r.key) for r in held], holder_here())
     failed = {s.label: str(e) for s, e in outcome.items() if e is not None}
     if failed:
         logger.warning("daskps: handles kept on this worker were not re-created with their server: %s", failed)
@@ -186,7 +187,7 @@ def follow(moves: dict[str, ServerRef]) -> None:
 
 def _acquire(refs: list[Ref]) -> None:
     """Register ``refs`` for this worker, each server all or nothing."""
-    holder = protocol.holder_here()
+    holder = holder_here()
     outcome = protocol.acquire([(r.server, r.key) for r in refs], holder)
     for r in refs:
         if outcome.get(r.server) is None:

@@ -146,7 +146,7 @@ class Checkpoint:
         items = []
         for name, t in tensors.items():
             opts = [(p, o._key) for p, o in optimizers.items()] if t.slotted else []
-            items += [(v.handle, (name, offset, opts)) for v, offset in t.parts]
+            items += [(v.handle, name, offset, opts) for v, offset in t.parts]
         nbytes = sum(v.nbytes for t in tensors.values() for v, _ in t.parts)
         show = progress if progress is not None else nbytes >= float(dask.config.get("daskps.progress-bytes"))
         run = lambda: protocol.save(path, items)  # noqa: E731

@@ -39,7 +39,8 @@ from daskps._core import clipping, schedules, transforms, trees
 from daskps._core.slices import IndexedSlices
 from daskps._core.updates import check_gradient
 from daskps.distribute import context
-from daskps.ps import protocol, refs
+from daskps.ps import ops, protocol, refs
+from daskps.ps.routing import LOCAL
 from daskps.variables import rows
 from daskps.variables.variable import ShardedVariable, Variable, shards_of
 
@@ -124,15 +125,15 @@ class Optimizer:
         owner = getattr(strategy, "_group", None) if in_scope else None
         servers = list(strategy.servers) if in_scope else []
         self._key = f"{name}@{uuid.uuid4().hex[:12]}"  # names this optimizer on the servers
-        servers.append(protocol.LOCAL)  # local variables can be trained too
+        servers.append(LOCAL)  # local variables can be trained too
         try:
-            protocol.add_optimizer(servers, self._key, transform, self.lazy_sparse, name, owner)
+            recipe = protocol.add_optimizer(servers, self._key, transform, self.lazy_sparse, name, owner)
         except BaseException:
             with contextlib.suppress(Exception):  # undo where it worked; the first error is the one to see
                 protocol.release([(s, self._key) for s in servers], owner)
             raise
         self._refs = [refs.owned(s, self._key, f"<optimizer {name}>", owner) for s in servers]
-        self._keep_recipe()
+        self._keep_recipe(recipe)
         self._built: list[Any] | None = None
 
     def __reduce__(self) -> Any:
@@ -211,15 +212,15 @@ class Optimizer:
     def _reconfigure(self, **changes: Any) -> None:
         transform = self._transform._replace(**changes)
         owner = next((r.owner for r in self._refs if r.owner is not None), None)
-        protocol.add_optimizer([r.server for r in self._refs], self._key, transform, self.lazy_sparse,
-                               self.name, owner, new=False)
+        recipe = protocol.reconfigure_optimizer([r.server for r in self._refs], self._key, transform,
+                                                self.lazy_sparse, self.name, owner)
         self._transform = transform
-        self._keep_recipe()
+        self._keep_recipe(recipe)
 
-    def _keep_recipe(self) -> None:
+    def _keep_recipe(self, recipe: ops.AddOptimizer) -> None:
         """What a re-created server needs to configure this optimizer (see daskps.coordinator.recovery)."""
         for r in self._refs:
-            r.recipe = ("optimizer", self._transform, self.lazy_sparse, self.name)
+            r.recipe = recipe
 
     def __getattr__(self, name: str) -> Any:
         transform = self.__dict__.get("_transform")

@@ -45,7 +45,7 @@ async def server_stats(scheduler: Any, timeout: float = 1.0) -> list[dict[str, A
         if isinstance(result, BaseException):
             row["error"] = f"{type(result).__name__}: {result}"
         else:
-            row.update(result)
+            row.update(result.as_dict())
         rows.append(row)
     return rows
 

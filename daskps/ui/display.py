@@ -25,15 +25,15 @@ def server_rows(strategy: Any) -> list[dict[str, Any]]:
     if strategy.closed:
         return [{"task": ps.task_id, "device": ps.device, "address": ps.address, "status": "closed"}
                 for ps in strategy.servers]
-    results = protocol.stats(strategy.servers, strategy.group, display_timeout())
+    results = protocol.stats_within(strategy.servers, strategy.group, display_timeout())
     rows = []
     for ps, res in zip(strategy.servers, results):
         row: dict[str, Any] = {"task": ps.task_id, "device": ps.device, "address": ps.address}
         if isinstance(res, BaseException):
             row["status"] = f"unreachable: {type(res).__name__}: {res}"
         else:
-            row.update(status="ok", variables=res["num_variables"], nbytes=res["nbytes"], reads=res["reads"],
-                       updates=res["updates"], bytes_read=res["bytes_read"])
+            row.update(status="ok", variables=res.num_variables, nbytes=res.nbytes, reads=res.reads,
+                       updates=res.updates, bytes_read=res.bytes_read)
         rows.append(row)
     return rows
 

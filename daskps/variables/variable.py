@@ -5,7 +5,7 @@ key) plus name, shape, dtype and trainability. Reading or updating it is one
 call to the server that holds it, through :mod:`daskps.ps.protocol`, from
 whichever process uses it. Made inside ``strategy.scope()`` it lives on a
 parameter server; outside any scope it lives on this process's own server
-(``protocol.LOCAL``), as TensorFlow keeps such variables on the coordinator.
+(``daskps.ps.routing.LOCAL``), as TensorFlow keeps such variables on the coordinator.
 
 Its storage lives as long as some handle to it does, in any process.
 
@@ -28,6 +28,8 @@ from daskps._core.updates import BATCH_SCATTER, check_update
 from daskps.distribute import context
 from daskps.ps import protocol, refs
 from daskps.ps.refs import Ref
+from daskps.ps.routing import LOCAL
+from daskps.ps.tables import DenseSpec
 from daskps.variables import rows
 from daskps.variables.arraylike import ArrayLike
 
@@ -87,12 +89,12 @@ class Variable(ArrayLike, metaclass=_VariableMeta):
         value = None if init_fn else initial_value
         if init_fn is None and dtype is None:
             value = default_array(value, "initial_value")
-        spec = protocol.CreateSpec(protocol.LOCAL, new_key(name), name, value, init_fn, shape,
-                                   None if dtype is None else dtype.str)
-        created = protocol.create([spec])[0]
+        server, op = protocol.table(LOCAL, new_key(name), name,
+                                    DenseSpec(value, init_fn, shape, None if dtype is None else dtype.str))
+        created = protocol.create([(server, op)])[0]
         if isinstance(created, BaseException):
             raise created
-        self._setup(refs.owned(spec.server, spec.key, name), created[0], created[1], trainable, None)
+        self._setup(refs.owned(server, op.key, name), created.shape, created.dtype, trainable, None)
 
     def _setup(self, ref: Ref, shape: tuple, dtype: Any, trainable: bool, token: str | None) -> None:
         self._ref = ref

@@ -1,0 +1,188 @@
+"""What a parameter server keeps under a variable's key: a table, behind one interface.
+
+The server (:mod:`daskps.ps.server`) knows tables only through
+:class:`Table`: reading, checking and applying updates and gradients,
+optimizer slots, checkpoint pieces, sizes. Today there is one kind,
+:class:`DenseTable` (a numpy array: a variable or one shard of it). Another
+kind of table is one class here with its :class:`TableSpec` (what a
+:class:`daskps.ps.ops.Create` carries to make it), plus its handle on the
+client; the server, the protocol, checkpoints, recovery and reprs reach it
+through the same seams.
+
+Every ``check_*`` method validates without changing anything and returns
+what the matching ``apply_*`` needs: the server checks every item of a
+message before it applies any, so a refused message leaves it as it was.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+from fsspec import AbstractFileSystem
+
+from daskps._core import ckpt_io, transforms
+from daskps._core.arrays import build_part, materialize
+from daskps._core.transforms import Transform
+from daskps._core.updates import apply_update, check_gradient_of_kind, check_update
+
+
+class Staged(NamedTuple):
+    """A restore read from a checkpoint, not yet put in place: the value and each optimizer's slots."""
+
+    value: np.ndarray
+    slots: dict[str, tuple[int, dict[str, np.ndarray]] | None]
+
+
+class Table(abc.ABC):
+    """One table on a server: its values and, per optimizer key, the optimizer's state for it."""
+
+    name: str
+    slots: dict[str, Any]  # optimizer key -> that optimizer's state for this table
+
+    @abc.abstractmethod
+    def read(self, index: object, shared: bool) -> np.ndarray:
+        """The whole value (``index`` None) or ``value[index]``: a copy, unless ``shared`` allows the stored array."""
+
+    @abc.abstractmethod
+    def check_update(self, op: str, payload: object) -> object:
+        """``payload`` checked for update ``op`` (see :mod:`daskps._core.updates`), ready to apply."""
+
+    @abc.abstractmethod
+    def apply_update(self, op: str, checked: object) -> None:
+        """Apply an update :meth:`check_update` accepted."""
+
+    @abc.abstractmethod
+    def check_gradient(self, kind: str, gradient: object, optimizer: str) -> tuple[str, object]:
+        """A gradient of ``kind`` (``"dense"`` or ``"rows"``) checked for optimizer ``optimizer``."""
+
+    @abc.abstractmethod
+    def apply_gradient(self, opt_key: str, transform: Transform, checked: tuple[str, object], lazy_sparse: bool) -> None:
+        """Apply a gradient :meth:`check_gradient` accepted, keeping the optimizer's state in ``slots``."""
+
+    @abc.abstractmethod
+    def info(self) -> tuple[str, tuple[int, ...], str]:
+        """``(name, shape, dtype string)`` for stats and reprs."""
+
+    @abc.abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of the values."""
+
+    def slot_nbytes(self) -> int:
+        """Bytes of the optimizers' slots."""
+        return sum(a.nbytes for s in self.slots.values() for a in transforms.slot_arrays(s).values())
+
+    @abc.abstractmethod
+    def save(self, fs: AbstractFileSystem, root: str, tensor: str, offset: int, optimizers: Sequence[tuple[str, str]]) -> list[dict]:
+        """Write this table (and each ``(optimizer path, optimizer key)``'s slots); return manifest records."""
+
+    @abc.abstractmethod
+    def stage(self, fs: AbstractFileSystem, root: str, spec: dict) -> Staged:
+        """Read this table's part of a checkpoint, changing nothing."""
+
+    @abc.abstractmethod
+    def commit(self, staged: Staged, optimizers: dict[str, Transform]) -> None:
+        """Put a staged restore in place (``optimizers``: transform by optimizer key)."""
+
+
+class TableSpec(Protocol):
+    """What a ``Create`` carries: enough to build one table on its server."""
+
+    def build(self, name: str) -> tuple[Table, bool]:
+        """The new table, and whether its initializer built more than this part (see ``DenseSpec``)."""
+        ...
+
+
+class DenseSpec(NamedTuple):
+    """A dense table: from ``value``, or from ``init_fn(shape, dtype)``.
+
+    With ``partition_shape``/``partition_offset`` the table is one part of a
+    variable of ``shape``: ``init_fn`` is offered the part's shape and
+    offset, and a result of the full ``shape`` is sliced.
+    """
+
+    value: object = None
+    init_fn: Callable[..., object] | None = None
+    shape: tuple | None = None
+    dtype: str | None = None
+    partition_shape: tuple | None = None
+    partition_offset: tuple | None = None
+
+    def build(self, name: str) -> tuple[Table, bool]:
+        np_dtype = None if self.dtype is None else np.dtype(self.dtype)
+        value, sliced = build_part(self.value, self.init_fn, self.shape, np_dtype, self.partition_shape,
+                                   self.partition_offset)
+        part = self.partition_shape if self.partition_shape is not None else self.shape
+        fresh = self.init_fn is not None and not sliced
+        return DenseTable(name, materialize(value, np_dtype, None if part is None else tuple(part), name, fresh)), sliced
+
+
+def _take(array: np.ndarray, index: Any) -> np.ndarray:
+    """``array[index]`` as a new array (rows by number without copying twice)."""
+    if isinstance(index, np.ndarray) and index.dtype.kind in "iu" and index.ndim == 1:
+        return np.take(array, index, axis=0)
+    return np.array(array[index])
+
+
+class DenseTable(Table):
+    """A numpy array, updated in place.
+
+    >>> t, _ = DenseSpec([1.0, 2.0], dtype="float32").build("w")
+    >>> t.apply_update("add", t.check_update("add", np.ones(2, "float32")))
+    >>> t.read(None, shared=False), t.read(np.array([1]), shared=False)
+    (array([2., 3.], dtype=float32), array([3.], dtype=float32))
+    """
+
+    def __init__(self, name: str, value: np.ndarray):
+        self.name = name
+        self.value = value
+        self.slots = {}
+
+    def read(self, index: object, shared: bool) -> np.ndarray:
+        if index is None:
+            return self.value if shared else self.value.copy()
+        return _take(self.value, index)
+
+    def check_update(self, op: str, payload: object) -> object:
+        return check_update(self.value.shape, self.value.dtype, self.name, op, payload)
+
+    def apply_update(self, op: str, checked: object) -> None:
+        apply_update(self.value, op, checked)
+
+    def check_gradient(self, kind: str, gradient: object, optimizer: str) -> tuple[str, object]:
+        transforms.check_trainable(self.value.dtype, self.name, optimizer)
+        return check_gradient_of_kind(self.value.shape, self.value.dtype, self.name, kind, gradient)
+
+    def apply_gradient(self, opt_key: str, transform: Transform, checked: tuple[str, object], lazy_sparse: bool) -> None:
+        kind, payload = checked
+        self.slots[opt_key] = transforms.apply_gradient(transform, self.value, self.slots.get(opt_key), kind,
+                                                        payload, lazy_sparse)
+
+    def info(self) -> tuple[str, tuple[int, ...], str]:
+        return self.name, self.value.shape, self.value.dtype.str
+
+    def nbytes(self) -> int:
+        return int(self.value.nbytes)
+
+    def save(self, fs: AbstractFileSystem, root: str, tensor: str, offset: int, optimizers: Sequence[tuple[str, str]]) -> list[dict]:
+        states = []
+        for opt_path, opt_key in optimizers:
+            state = self.slots.get(opt_key)
+            if state is not None:
+                states.append((opt_path, state.count, transforms.slot_arrays(state)))
+        return ckpt_io.write_with_slots(fs, root, tensor, offset, self.value, states)
+
+    def stage(self, fs: AbstractFileSystem, root: str, spec: dict) -> Staged:
+        return Staged(*ckpt_io.load_target(fs, root, spec, self.value.shape, self.value.dtype))
+
+    def commit(self, staged: Staged, optimizers: dict[str, Transform]) -> None:
+        # The staged array replaces the old one instead of being copied in: reads hand out
+        # copies, so nobody else holds the old array.
+        self.value = staged.value
+        for opt_key, saved in staged.slots.items():
+            if saved is None:
+                self.slots.pop(opt_key, None)
+            else:
+                self.slots[opt_key] = transforms.state_from_slots(optimizers[opt_key], staged.value, *saved)

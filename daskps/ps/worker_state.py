@@ -1,0 +1,79 @@
+"""What daskps keeps per Dask worker, held by a Dask ``WorkerPlugin``.
+
+A worker process keeps a few things of daskps' for as long as it runs: its
+transport to the parameter servers (:mod:`daskps.ps.transport`) and its
+trainers' datasets (:mod:`daskps.coordinator.datasets`). They live in one
+:class:`DaskPSWorkerPlugin`, registered on every worker of the cluster when
+a strategy connects (``client.register_plugin``, idempotent, so that
+workers that join later get it too), and closed with the worker
+(``teardown``). Each part is made on first use by the code that needs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from distributed.diagnostics.plugin import WorkerPlugin
+
+WORKER_PLUGIN_NAME = "daskps-worker"
+
+T = TypeVar("T")
+
+
+class DaskPSWorkerPlugin(WorkerPlugin):
+    """daskps' state on one worker: named parts, each made once."""
+
+    idempotent = True  # a second strategy on the same cluster keeps the workers' state
+
+    def __init__(self) -> None:
+        self.worker: Any = None
+        self.parts: dict[str, Any] = {}
+
+    def setup(self, worker: Any) -> None:
+        self.worker = worker
+
+    def teardown(self, worker: Any) -> None:
+        for part in list(self.parts.values()):
+            close = getattr(part, "close", None)
+            if close is not None:
+                close()
+        self.parts.clear()
+
+    def part(self, name: str, make: Callable[[Any], T]) -> T:
+        """The part called ``name``, made by ``make(worker)`` on first use."""
+        found = self.parts.get(name)
+        if found is None:
+            found = self.parts.setdefault(name, make(self.worker))
+        return found
+
+
+def plugin_of(worker: Any) -> DaskPSWorkerPlugin:
+    """``worker``'s daskps plugin; installed here if the worker has none yet.
+
+    A worker of a cluster no strategy has connected to yet (a task that
+    uses daskps on its own) gets it the way ``Worker.plugin_add`` installs
+    one: set in ``worker.plugins`` and set up (its setup is synchronous).
+    """
+    found = worker.plugins.get(WORKER_PLUGIN_NAME)
+    if found is None:
+        plugin = DaskPSWorkerPlugin()
+        plugin.setup(worker)
+        found = worker.plugins.setdefault(WORKER_PLUGIN_NAME, plugin)
+    return found
+
+
+def part_on(worker: Any, name: str, make: Callable[[Any], T]) -> T:
+    """Part ``name`` of ``worker``'s daskps state, made by ``make(worker)`` on first use."""
+    return plugin_of(worker).part(name, make)
+
+
+def existing_part(worker: Any, name: str) -> Any:
+    """Part ``name`` of ``worker``'s daskps state, or ``None`` if it was never made."""
+    found = worker.plugins.get(WORKER_PLUGIN_NAME)
+    return None if found is None else found.parts.get(name)
+
+
+def register(client: Any) -> None:
+    """Have every worker of ``client``'s cluster, and every one that joins, hold daskps' state."""
+    client.register_plugin(DaskPSWorkerPlugin(), name=WORKER_PLUGIN_NAME)
