@@ -25,6 +25,7 @@ from daskps import data, errors, metrics, optimizers, partitioners
 from daskps._core.slices import IndexedSlices
 from daskps.coordinator.coordinator import ClusterCoordinator, RemoteValue
 from daskps.coordinator.datasets import PerWorkerDataset, PerWorkerIterator, PerWorkerValues
+from daskps.coordinator.progress import progress
 from daskps.distribute.cluster import DaskClusterResolver, LocalPSCluster
 from daskps.distribute.context import (
     ReplicaContext,
@@ -37,7 +38,6 @@ from daskps.distribute.strategy import ParameterServerStrategy
 from daskps.distribute.values import InputContext, InputOptions, ReduceOp, RunOptions, ValueContext
 from daskps.training.checkpoint import Checkpoint, CheckpointManager
 from daskps.training.sidecar import SidecarEvaluator
-from daskps.ui.progress import progress
 from daskps.variables.embedding import embedding_lookup
 from daskps.variables.params import create_variables
 from daskps.variables.partitioned import create_partitioned_variables

@@ -279,7 +279,7 @@ def test_three_trainer_kills_lose_no_value_and_rerun_little(fresh_cluster):
     for k in range(3):
         while coordinator.summary()["done"] < 300 * (k + 1):
             time.sleep(0.05)
-        reported = [i for i, r in enumerate(remotes) if r._state == "finished"]
+        reported = [i for i, r in enumerate(remotes) if r.status == "finished"]
         snapshots.append((reported, runs.numpy()[reported]))  # a reported function's update is applied
         name = f"worker-{k % 2}"
         wait_for_worker(client, name, kill_worker(client, name))

@@ -28,7 +28,7 @@ def test_a_retired_trainer_loses_nothing(fresh_cluster):
     remotes = [coordinator.schedule(step, args=(i,)) for i in range(n)]
     while coordinator.summary()["done"] < 50:
         time.sleep(0.05)
-    reported = [i for i, r in enumerate(remotes) if r._state == "finished"]
+    reported = [i for i, r in enumerate(remotes) if r.status == "finished"]
     client.retire_workers(workers=[worker_address(client, "worker-1")])
     assert "worker-1" not in {w["name"] for w in cluster_workers(client).values()}
     coordinator.join()

@@ -102,3 +102,143 @@ def test_only_the_transport_talks_to_dask_comms():
     talkers = [name for name, path in ((_module_name(p), p) for p in ROOT.rglob("*.py"))
                if "send_recv" in path.read_text() or "actor_execute" in path.read_text()]
     assert talkers == ["daskps.ps.transport"], talkers
+
+
+# -- how modules hold each other -------------------------------------------------------------
+# Private names read through another object or module where Dask offers nothing public: (module, name, why).
+PRIVATE_READS_ALLOWED: list[tuple[str, str, str]] = []
+NAMEDTUPLE_API = {"_replace", "_fields", "_asdict", "_make"}  # public, despite the underscore
+
+
+def _own_names(cls: ast.ClassDef) -> set[str]:
+    """The names a class defines: its methods and class attributes, and what it sets on ``self``."""
+    names = set()
+    for node in cls.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    for node in ast.walk(cls):
+        if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name) and node.value.id == "self"):
+            names.add(node.attr)
+    return names
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__") and name not in NAMEDTUPLE_API
+
+
+def private_reads(source: str) -> list[tuple[int, str]]:
+    """``(line, text)`` of each private name read through another object or module.
+
+    Allowed: through ``self``/``cls``; inside a class, names that class defines
+    (a class reading its own instances). Counted: ``obj._name``,
+    ``getattr(obj, "_name")`` / ``hasattr``, ``from module import _name``.
+    """
+    found: list[tuple[int, str]] = []
+
+    def visit(node: ast.AST, own: frozenset[str]) -> None:
+        if isinstance(node, ast.ClassDef):
+            own = own | _own_names(node)
+        if (isinstance(node, ast.Attribute) and _private(node.attr) and node.attr not in own
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+            found.append((node.lineno, ast.unparse(node)))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+              and isinstance(node.args[1].value, str) and _private(node.args[1].value)
+              and node.args[1].value not in own
+              and not (isinstance(node.args[0], ast.Name) and node.args[0].id in ("self", "cls"))):
+            found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("daskps"):
+            found.extend((node.lineno, f"from {node.module} import {a.name}") for a in node.names if _private(a.name))
+        for child in ast.iter_child_nodes(node):
+            visit(child, own)
+
+    visit(ast.parse(source), frozenset())
+    return found
+
+
+def test_no_private_reads_through_other_objects():
+    allowed = {(module, name) for module, name, _ in PRIVATE_READS_ALLOWED}
+    wrong = []
+    for path in sorted(ROOT.rglob("*.py")):
+        module = _module_name(path)
+        for line, text in private_reads(path.read_text()):
+            if (module, text.rsplit(".", 1)[-1]) not in allowed:
+                wrong.append(f"{module}:{line}: {text}")
+    assert not wrong, "\n".join(wrong)
+    assert len(PRIVATE_READS_ALLOWED) <= 20
+
+
+def test_private_read_finder_finds_each_form():
+    source = """
+import daskps.x
+from daskps.y import _hidden
+class A:
+    def __init__(self):
+        self._mine = 1
+    def same(self, other):
+        return other._mine, self._mine, other._theirs
+def outside(a, p):
+    return a._mine, getattr(a, "_x", None), hasattr(a, "_y"), p._replace(b=1)
+"""
+    assert [t for _, t in private_reads(source)] == [
+        "from daskps.y import _hidden", "other._theirs", "a._mine", "getattr(a, '_x', None)", "hasattr(a, '_y')"]
+
+
+# Names that every kind of object has (containers, strings, files, futures): a call to one says
+# nothing about which layer's object it is.
+_COMMON = set().union(*(dir(t) for t in (dict, list, set, str, bytes, object, type(None))),
+                      {"result", "exception", "done", "cancel", "read", "write", "flush", "close", "join",
+                       "group", "wait", "get", "items", "values", "keys", "copy", "update", "index"})
+
+
+def _methods_by_layer() -> dict[str, set[int]]:
+    """Each method name defined in a class of a layer, and the layers that define one."""
+    found: dict[str, set[int]] = {}
+    for path in ROOT.rglob("*.py"):
+        layer = _layer(_module_name(path))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        found.setdefault(item.name, set()).add(-1 if layer is None else layer)
+    return found
+
+
+def upward_calls(source: str, layer: int, methods: dict[str, set[int]]) -> list[str]:
+    """Calls ``obj.name(...)`` on an object handed down to a module of ``layer`` where ``name`` is a
+    method only classes of later layers define (a lower layer calling up into a higher one)."""
+    tree = ast.parse(source)
+    modules = {a.asname or a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    modules |= {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    wrong = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        name, target = node.func.attr, node.func.value
+        if name in _COMMON or (isinstance(target, ast.Name) and (target.id in ("self", "cls") or target.id in modules)):
+            continue
+        layers = methods.get(name, set())
+        if layers and min(layers) > layer:
+            wrong.append(f"{node.lineno}: {ast.unparse(node.func)}")
+    return wrong
+
+
+def test_no_layer_calls_up_through_objects_handed_down():
+    methods = _methods_by_layer()
+    wrong = []
+    for path in sorted(ROOT.rglob("*.py")):
+        module = _module_name(path)
+        layer = _layer(module)
+        if layer is not None:
+            wrong += [f"{module}:{w}" for w in upward_calls(path.read_text(), layer, methods)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_upward_call_finder_finds_one():
+    methods = {"schedule": {LAYERS.index("coordinator")}, "numpy": {LAYERS.index("variables")}}
+    source = "def save(coordinator, v):\n    coordinator.schedule(f)\n    return v.numpy()\n"
+    assert upward_calls(source, LAYERS.index("training"), methods) == ["2: coordinator.schedule"]

@@ -65,7 +65,7 @@ def test_reports_wait_at_most_one_function_for_their_pushes(strategy, coordinato
     start = time.monotonic()
     first.fetch()
     waited = time.monotonic() - start
-    done_then = sum(r._state == "finished" for r in sleeps[:20])
+    done_then = sum(r.status == "finished" for r in sleeps[:20])
     coordinator.join()
     # Reported long before the 20 sleeps of its batch ended (counted, not timed).
     assert done_then < 20, (done_then, waited)

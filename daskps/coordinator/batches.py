@@ -199,7 +199,7 @@ def _run_one(strategy: Any, blob: tuple[bytes, bytes]) -> tuple[str, bytes | Non
             args, kwargs = pickle.loads(blob[1])
             if any(type(x) is PerWorkerValues for x in (*args, *kwargs.values())):
                 index = local_worker_index(strategy.trainer_names)
-                local = lambda x: x._local(index) if type(x) is PerWorkerValues else x  # noqa: E731
+                local = lambda x: x.on_worker(index) if type(x) is PerWorkerValues else x  # noqa: E731
                 args, kwargs = map_structure(local, args), map_structure(local, kwargs)
             try:
                 with scheduled_function(), strategy.scope():

@@ -47,7 +47,7 @@ from typing import Any
 
 import cloudpickle
 import dask.config
-from distributed import Client
+from distributed import Client, as_completed
 
 from daskps._core.nest import map_structure
 from daskps._core.pickling import dumps_or_explain
@@ -56,7 +56,7 @@ from daskps.coordinator.batches import BIG, ERROR, load_error, run_batch
 from daskps.coordinator.dask_input import DaskInput, dask_dataset
 from daskps.coordinator.datasets import PerWorkerDataset
 from daskps.coordinator.recovery import RecoveryControl, RecoveryState
-from daskps.coordinator.remote import FAILED, PENDING, RemoteValue, to_numpy
+from daskps.coordinator.remote import FAILED, PENDING, Outcome, RemoteValue, to_numpy
 from daskps.distribute.strategy import ParameterServerStrategy
 from daskps.errors import CancelledError, PSUnavailableError, RollbackWarning
 from daskps.ps import refs
@@ -78,12 +78,12 @@ MAX_RERUNS = 3
 
 
 class _Closure:
-    """One scheduled function: its pickle, what it keeps alive, its RemoteValue."""
+    """One scheduled function: its pickle, what it keeps alive, what became of it (its RemoteValue's outcome)."""
 
-    __slots__ = ("id", "blob", "kept", "remote", "reruns", "batch", "generation")
+    __slots__ = ("id", "blob", "kept", "outcome", "reruns", "batch", "generation")
 
-    def __init__(self, cid: int, blob: tuple[bytes, bytes], kept: list[Any], remote: RemoteValue):
-        self.id, self.blob, self.kept, self.remote = cid, blob, kept, remote
+    def __init__(self, cid: int, blob: tuple[bytes, bytes], kept: list[Any], outcome: Outcome):
+        self.id, self.blob, self.kept, self.outcome = cid, blob, kept, outcome
         self.reruns = 0
         self.batch: str | None = None  # the key of the batch it is in; None while queued
         self.generation = 0  # of the servers its trainer knew as it started (see generation_known)
@@ -177,13 +177,15 @@ class ClusterCoordinator:
         if strategy.client is None:
             raise RuntimeError("a ClusterCoordinator can only be made on the coordinator, not on a worker")
         strategy.check_open("ClusterCoordinator(strategy)")
-        if strategy._coordinator is None:
-            self = super().__new__(cls)
-            self._setup(strategy)
-            strategy._coordinator = self
+        coordinator = strategy.coordinator
+        if coordinator is None:
+            coordinator = super().__new__(cls)
+            coordinator._setup(strategy)
+            strategy.adopt_coordinator(coordinator)
+            strategy.on_close(coordinator._cancel_all)  # before the servers go
         if checkpoint_manager is not None:
-            strategy._coordinator._set_manager(checkpoint_manager)
-        return strategy._coordinator
+            coordinator._set_manager(checkpoint_manager)
+        return coordinator
 
     def __init__(self, strategy: ParameterServerStrategy, checkpoint_manager: Any = None):
         pass  # all done in __new__ (a second call returns the same coordinator)
@@ -216,7 +218,7 @@ class ClusterCoordinator:
         self._batch_ids = itertools.count()
         self._topic = f"{BATCH_TOPIC_PREFIX}{strategy.token}"
         # The client keeps its handlers: give it one that does not keep this coordinator alive.
-        client.subscribe_topic(self._topic, functools.partial(_deliver, weakref.ref(self)))
+        client.subscribe_topic(self._topic, functools.partial(self._deliver, weakref.ref(self)))
         weakref.finalize(self, _unsubscribe, client, self._topic)
         self.stats = {"scheduled": 0, "done": 0, "failed": 0, "cancelled": 0}
         # Functions finished, by the generation of servers their trainer knew (see _finished_by_generation).
@@ -263,7 +265,7 @@ class ClusterCoordinator:
         self._strategy.check_open("coordinator.schedule")
         self._raise_pending_error()
         blob, kept = _pickle_closure(fn, tuple(args), kwargs, getattr(fn, "__name__", type(fn).__name__))
-        closure = _Closure(next(self._ids), blob, kept, RemoteValue(self))
+        closure = _Closure(next(self._ids), blob, kept, Outcome(self._wait_for))
         with self._cond:
             self._queue.append(closure)
             self._pending[closure.id] = closure
@@ -272,7 +274,7 @@ class ClusterCoordinator:
             self._pump_queued = True
         if wake:  # one loop wake-up serves every schedule call made meanwhile
             self._loop.add_callback(self._pump)
-        return closure.remote
+        return RemoteValue(closure.outcome)
 
     def _next_batch(self, trainers: int, in_flight: int) -> list[_Closure]:
         """The next batch, or none.
@@ -337,6 +339,13 @@ class ClusterCoordinator:
                 self._trainers = count
                 self._pump()
 
+    @staticmethod
+    def _deliver(coordinator: weakref.ref, event: Any) -> None:
+        """A topic's event, for the coordinator if it is still alive (the subscription holds it weakly)."""
+        alive = coordinator()
+        if alive is not None:
+            alive._on_event(event)
+
     def _on_event(self, event: tuple[float, Any]) -> None:
         """On the client's event loop: functions finished on a trainer."""
         _, (batch_key, finished) = event
@@ -350,7 +359,7 @@ class ClusterCoordinator:
             self._seconds_per_function = took if per is None else per + 0.5 * (took - per)
             for cid, status, payload, _, generation in reports:
                 closure = self._pending.get(cid)
-                if closure is None or closure.remote._state != PENDING or closure.batch != batch_key:
+                if closure is None or closure.outcome.state != PENDING or closure.batch != batch_key:
                     continue  # cancelled or queued again meanwhile
                 closure.generation = generation
                 if status == BIG:
@@ -368,12 +377,12 @@ class ClusterCoordinator:
                         ROUTES.name_what_was_held(error)
                         self._fail(closure, error)
                 else:
-                    closure.remote._finish(payload)
+                    closure.outcome.finish(payload)
                     self._done(closure)
 
     def _done(self, closure: _Closure) -> None:
         self._pending.pop(closure.id, None)
-        ok = closure.remote._state != "error"
+        ok = closure.outcome.state != "error"
         self.stats["done" if ok else "failed"] += 1
         if ok:
             self._done_by_generation[closure.generation] += 1
@@ -381,7 +390,7 @@ class ClusterCoordinator:
             self._cond.notify_all()  # join() needs waking only when all is done, or on an error
 
     def _fail(self, closure: _Closure, error: BaseException) -> None:
-        closure.remote._fail(error)
+        closure.outcome.fail(error)
         self.last_error = error
         if self._error is None:
             self._error = error
@@ -389,32 +398,36 @@ class ClusterCoordinator:
 
     async def _watch(self, key: str, future: Any) -> None:
         """A batch's task finished: take its big results, settle the rest, release the future."""
-        await future._state.wait()
+        async for _ in as_completed([future], loop=self._client.loop):  # Dask's own wait, on this loop
+            pass
         results, error = {}, None
         with self._cond:  # every function reported (none too big for its event): nothing to fetch
             _, closures = self._batches.get(key, (None, []))
-            unsettled = any(c.remote._state == PENDING and c.id in self._pending for c in closures)
+            unsettled = any(c.outcome.state == PENDING and c.id in self._pending for c in closures)
         if future.status == "finished" and unsettled:
             try:
                 results = await future
             except Exception as exc:  # its result was lost with its worker
                 error = exc
         elif future.status == "error":
-            error = future._state.exception
+            try:
+                await future  # raises the task's exception
+            except Exception as exc:
+                error = exc
         elif future.status == "cancelled":  # not by us (we forget what we cancel): client.restart(), say
             error = CancelledError(f"the Dask task of batch {key!r} was cancelled outside the coordinator "
                                    "(client.restart() or client.cancel()); its functions did not all run")
         future.release()
         with self._cond:
             _, closures = self._batches.pop(key, (None, []))
-            failed = any(c.remote._state == FAILED for c in closures)
+            failed = any(c.outcome.state == FAILED for c in closures)
             lossy = key in self._recovery.lossy
             self._recovery.lossy.discard(key)
             for c in closures:
-                if c.remote._state != PENDING or c.id not in self._pending or c.batch != key:
+                if c.outcome.state != PENDING or c.id not in self._pending or c.batch != key:
                     continue  # settled, or queued again (a lost server)
                 if c.id in results:
-                    c.remote._finish(None, results[c.id])
+                    c.outcome.finish(None, results[c.id])
                     self._done(c)
                 elif error is not None:
                     if not self._run_again(c, error):
@@ -422,7 +435,7 @@ class ClusterCoordinator:
                 elif failed:  # not run: an earlier function of its batch failed (the batch stops there)
                     self._pending.pop(c.id, None)
                     self.stats["cancelled"] += 1
-                    c.remote._cancel()
+                    c.outcome.cancel()
                     self._cond.notify_all()
                 elif lossy:  # not run: an earlier one failed because a parameter server was lost
                     self._requeue(c)
@@ -547,17 +560,17 @@ class ClusterCoordinator:
             futures = [f for f, _ in self._batches.values()]
             self.stats["cancelled"] += len(cancelled)
             for c in cancelled:
-                c.remote._cancel()
+                c.outcome.cancel()
             self._cond.notify_all()
         if futures and self._client.status == "running":
             self._client.cancel(futures)
         return len(cancelled)
 
-    def _wait_for(self, remote: RemoteValue) -> None:
+    def _wait_for(self, outcome: Outcome) -> None:
         with self._cond:
             self._fetching += 1
             try:
-                while remote._state == PENDING:
+                while outcome.state == PENDING:
                     self._cond.wait(timeout=1.0)
             finally:
                 self._fetching -= 1
@@ -640,7 +653,7 @@ class ClusterCoordinator:
                     last_error=None if self.last_error is None else repr(self.last_error))
 
     def _repr_html_(self) -> str:
-        return coordinator_html(self)
+        return coordinator_html(self.summary())
 
     def __repr__(self) -> str:
         s = self.summary()
@@ -648,12 +661,6 @@ class ClusterCoordinator:
             f"<ClusterCoordinator scheduled={s['scheduled']} pending={s['in_flight']} "
             f"done={s['done']} failed={s['failed']} cancelled={s['cancelled']}>"
         )
-
-
-def _deliver(coordinator: weakref.ref, event: Any) -> None:
-    alive = coordinator()
-    if alive is not None:
-        alive._on_event(event)
 
 
 def _unsubscribe(client: Client, topic: str) -> None:

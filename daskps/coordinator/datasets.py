@@ -36,7 +36,7 @@ from daskps.distribute.context import DATASET_CONTEXT
 from daskps.distribute.values import InputContext
 from daskps.errors import NotScheduledError, OutOfRangeError
 from daskps.ps import protocol, refs
-from daskps.ps.plugin import add_cleanup, remove_cleanup
+from daskps.ps.plugin import add_cleanup
 from daskps.ps.routing import ServerRef
 from daskps.ps.worker_state import existing_part, part_on
 
@@ -59,7 +59,13 @@ class PerWorkerValues:
     def __init__(self, values: Any):
         self._values = tuple(values)
 
-    def _local(self, index: int) -> Any:
+    @property
+    def values(self) -> tuple[Any, ...]:
+        """One value per worker, by worker index."""
+        return self._values
+
+    def on_worker(self, index: int) -> Any:
+        """The value of the worker with index ``index``."""
         return self._values[index % len(self._values)]
 
     def __repr__(self) -> str:
@@ -157,7 +163,7 @@ class PerWorkerDataset:
         self._keep = keep
         self._iterators = 0
         self._lock = threading.Lock()
-        strategy._datasets.add(self)
+        strategy.on_close(self._release)
         # If the coordinator goes without dropping it, the scheduler has the trainers forget it.
         strategy.client.run_on_scheduler(add_cleanup, server.actor_key, dataset_id, dumps(_forget_on_worker),
                                          dumps((dataset_id,)))
@@ -195,9 +201,8 @@ def _trainers_now(strategy: Any) -> tuple[str, ...]:
 def _forget_later(client: Any, dataset_id: str, server_key: str) -> None:
     """After the dataset is dropped: have every worker forget it, without blocking anyone."""
     async def forget() -> None:
-        try:
-            await client._run(_forget_on_worker, dataset_id, on_error="ignore")
-            await client._run_on_scheduler(remove_cleanup, server_key, dataset_id)
+        try:  # the cleanup it registered, run now by the scheduler's plugin (and forgotten)
+            await client.scheduler.daskps_run_cleanup(server_key=server_key, cleanup_id=dataset_id)
         except Exception:  # the cluster is going away: nothing left to free
             pass
 

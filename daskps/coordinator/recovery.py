@@ -220,7 +220,7 @@ def _host(strategy: Any, group: Any, old: ServerRef, deadline: float) -> tuple[s
     (config ``daskps.recovery-same-worker-wait``); then any other live ps
     worker will do, the one holding fewest of this strategy's servers first.
     """
-    resource = strategy._resolver.ps_resource
+    resource = strategy.cluster_resolver.ps_resource
     name = str(group.worker_names[old.task_id])
     prefer_until = time.monotonic() + parse_timedelta(dask.config.get("daskps.recovery-same-worker-wait"))
     while True:

@@ -3,16 +3,44 @@
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 from daskps._core.nest import map_structure
 from daskps.errors import CancelledError
 from daskps.variables.variable import ShardedVariable, Variable
 
-__all__ = ["RemoteValue", "to_numpy"]
+__all__ = ["Outcome", "RemoteValue", "to_numpy"]
 
 _MISSING = object()
 PENDING, DONE, FAILED, CANCELLED = "pending", "finished", "error", "cancelled"
+
+
+class Outcome:
+    """What became of one scheduled function: settled by the coordinator (under its lock), read by its RemoteValue.
+
+    ``state`` is ``PENDING`` until :meth:`finish`, :meth:`fail` or
+    :meth:`cancel`; ``wait`` blocks until it is not (the coordinator's wait).
+    """
+
+    __slots__ = ("state", "payload", "raw", "error", "wait")
+
+    def __init__(self, wait: Callable[[Outcome], None]):
+        self.state = PENDING
+        self.payload: bytes | None = None  # the pickled result, unpickled on first fetch
+        self.raw: Any = _MISSING  # or the result itself
+        self.error: BaseException | None = None
+        self.wait = wait
+
+    def finish(self, payload: bytes | None, raw: Any = _MISSING) -> None:
+        self.payload, self.raw, self.state = payload, raw, DONE
+
+    def fail(self, error: BaseException) -> None:
+        self.error, self.state = error, FAILED
+
+    def cancel(self) -> None:
+        if self.state == PENDING:
+            self.state = CANCELLED
 
 
 class RemoteValue:
@@ -23,44 +51,35 @@ class RemoteValue:
     :class:`~daskps.errors.CancelledError` if the function was cancelled.
     """
 
-    __slots__ = ("_coordinator", "_state", "_payload", "_raw", "_value", "_error", "__weakref__")
+    __slots__ = ("_outcome", "_value", "__weakref__")
 
-    def __init__(self, coordinator: Any):
-        self._coordinator = coordinator
-        self._state = PENDING
-        self._payload: Any = None  # the pickled result, unpickled on first fetch
-        self._raw: Any = _MISSING  # or the result itself
+    def __init__(self, outcome: Outcome):
+        self._outcome = outcome
         self._value: Any = _MISSING  # the result as fetch() gives it
-        self._error: BaseException | None = None
-
-    # -- set by the coordinator (under its lock) ---------------------------------------
-    def _finish(self, payload: bytes | None, raw: Any = _MISSING) -> None:
-        self._payload, self._raw, self._state = payload, raw, DONE
-
-    def _fail(self, error: BaseException) -> None:
-        self._error, self._state = error, FAILED
-
-    def _cancel(self) -> None:
-        if self._state == PENDING:
-            self._state = CANCELLED
 
     # -- for users -------------------------------------------------------------------------
     def fetch(self) -> Any:
         """Wait for the value and return it; re-raises the function's error."""
-        if self._state == PENDING:
-            self._coordinator._wait_for(self)
-        if self._state == CANCELLED:
+        outcome = self._outcome
+        if outcome.state == PENDING:
+            outcome.wait(outcome)
+        if outcome.state == CANCELLED:
             raise CancelledError(
                 "the scheduled function was cancelled (another scheduled function failed, the wait "
                 "was interrupted, or the strategy was closed); schedule it again"
             )
-        if self._state == FAILED:
-            raise self._error  # type: ignore[misc]
+        if outcome.state == FAILED:
+            raise outcome.error  # type: ignore[misc]
         if self._value is _MISSING:
-            raw = pickle.loads(self._payload) if self._raw is _MISSING else self._raw
+            raw = pickle.loads(outcome.payload) if outcome.raw is _MISSING else outcome.raw  # type: ignore[arg-type]
             self._value = to_numpy(raw)  # variables are read here, not on the event loop
-            self._payload = self._raw = None
+            outcome.payload = outcome.raw = None
         return self._value
+
+    @property
+    def status(self) -> str:
+        """``"pending"``, ``"finished"``, ``"error"`` or ``"cancelled"`` (as a Dask future's ``status``), without waiting."""
+        return self._outcome.state
 
     def get(self) -> Any:
         """Same as :meth:`fetch`."""
@@ -70,7 +89,7 @@ class RemoteValue:
         raise TypeError("a RemoteValue cannot be sent to a worker; fetch() it first")
 
     def __repr__(self) -> str:
-        return f"<RemoteValue {self._state}>"
+        return f"<RemoteValue {self._outcome.state}>"
 
 
 def to_numpy(structure: Any) -> Any:

@@ -41,12 +41,12 @@ class _Mode:
 
     __slots__ = ("_strategy", "_replica")
 
-    def __init__(self, strategy: _SingleReplicaStrategy, replica_context: ReplicaContext | None):
+    def __init__(self, strategy: SingleReplicaStrategy, replica_context: ReplicaContext | None):
         self._strategy = weakref.ref(strategy)
         self._replica = None if replica_context is None else weakref.ref(replica_context)
 
     @property
-    def strategy(self) -> _SingleReplicaStrategy:
+    def strategy(self) -> SingleReplicaStrategy:
         return self._strategy() or _DEFAULT
 
     @property
@@ -114,7 +114,7 @@ class ReplicaContext:
     [array(1.), array(2.)]
     """
 
-    def __init__(self, strategy: _SingleReplicaStrategy, replica_id_in_sync_group: int = 0):
+    def __init__(self, strategy: SingleReplicaStrategy, replica_id_in_sync_group: int = 0):
         if not isinstance(replica_id_in_sync_group, (int, np.integer)):
             raise ValueError(
                 "replica_id_in_sync_group must be an integer, "
@@ -125,7 +125,7 @@ class ReplicaContext:
         self._tokens: list[contextvars.Token] = []
 
     @property
-    def strategy(self) -> _SingleReplicaStrategy:
+    def strategy(self) -> SingleReplicaStrategy:
         return self._strategy
 
     @property
@@ -180,7 +180,7 @@ def _check_gather_axis(value: np.ndarray, axis: int) -> np.ndarray:
     return value
 
 
-def get_strategy() -> _SingleReplicaStrategy:
+def get_strategy() -> SingleReplicaStrategy:
     """The current strategy: the one whose ``scope()`` is entered, else a default."""
     return current_mode().strategy
 
@@ -201,10 +201,10 @@ def get_replica_context() -> ReplicaContext | None:
 
 
 # -- strategies with one replica per step ------------------------------------------------
-class _SingleReplicaExtended:
+class SingleReplicaExtended:
     """``strategy.extended`` for one replica and no parameter servers."""
 
-    def __init__(self, strategy: _SingleReplicaStrategy):
+    def __init__(self, strategy: SingleReplicaStrategy):
         self._strategy = strategy
 
     @contextmanager
@@ -212,7 +212,7 @@ class _SingleReplicaExtended:
         yield
 
     def variable_created_in_scope(self, v: Any) -> bool:
-        return hasattr(v, "_ref") and v._strategy_token is None
+        return hasattr(v, "handle") and getattr(v, "strategy_token", "") is None
 
     @property
     def parameter_devices(self) -> tuple[str, ...]:
@@ -223,11 +223,13 @@ class _SingleReplicaExtended:
         return ("/job:chief/replica:0/task:0/device:CPU:0",)
 
 
-class _SingleReplicaStrategy:
+class SingleReplicaStrategy:
     """What every daskps strategy does with exactly one replica per step."""
 
-    _extended_cls: type = _SingleReplicaExtended
-    _variable_creator: Callable[..., Any] | None = None
+    _extended_cls: type = SingleReplicaExtended
+    # Makes a Variable(...) called in this strategy's scope (None: variables are local).
+    variable_creator: Callable[..., Any] | None = None
+    group: Any = None  # the parameter servers, on a strategy that has them (on its coordinator)
 
     def __init__(self) -> None:
         self._extended = self._extended_cls(self)
@@ -245,7 +247,7 @@ class _SingleReplicaStrategy:
         return None
 
     @contextmanager
-    def scope(self) -> Iterator[_SingleReplicaStrategy]:
+    def scope(self) -> Iterator[SingleReplicaStrategy]:
         """Make this strategy current, in cross-replica context."""
         current = _MODE.get()
         if current is not None and current.strategy is not self and not isinstance(current.strategy, _DefaultStrategy):
@@ -308,7 +310,7 @@ class _SingleReplicaStrategy:
         return dataset_fn(DATASET_CONTEXT.get() or InputContext())
 
 
-class _DefaultStrategy(_SingleReplicaStrategy):
+class _DefaultStrategy(SingleReplicaStrategy):
     """The strategy that is current when no scope is entered."""
 
     def __repr__(self) -> str:

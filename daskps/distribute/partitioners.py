@@ -52,7 +52,7 @@ def _positive(value: Any, arg: str, allow_none: bool = False) -> None:
         raise ValueError(f"{arg} must be a positive int, got {value!r}")
 
 
-def _shape(shape: Any) -> tuple[int, ...]:
+def as_shape(shape: Any) -> tuple[int, ...]:
     try:
         dims = tuple(shape)
     except TypeError:
@@ -84,7 +84,7 @@ def fixed_size_partitioner(num_shards: int, axis: int = 0) -> PartitionFn:
     _positive(num_shards, "num_shards")
 
     def partition(shape: Any, dtype: Any = None, **unused: Any) -> list[int]:
-        dims = _shape(shape)
+        dims = as_shape(shape)
         ax = _axis(axis, len(dims), dims)
         result = [1] * len(dims)
         result[ax] = min(num_shards, dims[ax])
@@ -106,7 +106,7 @@ def min_max_variable_partitioner(
     _positive(bytes_per_string_element, "bytes_per_string_element")
 
     def partition(shape: Any, dtype: Any, **unused: Any) -> list[int]:
-        dims = _shape(shape)
+        dims = as_shape(shape)
         ax = _axis(axis, len(dims), dims)
         total_bytes = math.prod(dims) * _element_size(dtype, bytes_per_string_element)
         partitions = total_bytes / min_slice_size
@@ -133,7 +133,7 @@ def variable_axis_size_partitioner(
     _positive(max_shards, "max_shards", allow_none=True)
 
     def partition(shape: Any, dtype: Any, **unused: Any) -> list[int]:
-        dims = _shape(shape)
+        dims = as_shape(shape)
         ax = _axis(axis, len(dims), dims)
         result = [1] * len(dims)
         if math.prod(dims) == 0:

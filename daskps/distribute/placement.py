@@ -114,9 +114,9 @@ def create_partitioned(strategy: Any, initial_value: Any, trainable: bool, name:
         if shape is not None and initial_value.shape != shape:
             raise ValueError(f"initial_value has shape {initial_value.shape}, expected shape {shape}")
         shape, dtype = initial_value.shape, initial_value.dtype
-    num = num_partitions(strategy._variable_partitioner, shape, dtype) if shape else 1
+    num = num_partitions(strategy.variable_partitioner, shape, dtype) if shape else 1
     if num == 1:
-        parts = create(strategy.group, [Part(strategy._next_ps(), name, initial_value, shape, dtype)])
+        parts = create(strategy.group, [Part(strategy.next_server(), name, initial_value, shape, dtype)])
     else:
         parts = create_div_parts(strategy, initial_value, shape, dtype, 0, num, name)
     return Placed(name, parts, num > 1, trainable)
@@ -158,10 +158,10 @@ def create_div_parts(
     parts = []
     for i, (part_shape, offset) in enumerate(div_specs(shape, axis, num)):
         if callable(initial_value):
-            part = Part(strategy._next_ps(), f"{name}/part_{i}", initial_value, shape, dtype, part_shape, offset)
+            part = Part(strategy.next_server(), f"{name}/part_{i}", initial_value, shape, dtype, part_shape, offset)
         else:
             cut = initial_value[tuple(slice(o, o + n) for o, n in zip(offset, part_shape))]
-            part = Part(strategy._next_ps(), f"{name}/part_{i}", cut, part_shape, dtype)
+            part = Part(strategy.next_server(), f"{name}/part_{i}", cut, part_shape, dtype)
         parts.append(part)
     return create(strategy.group, parts, whole=(name, shape))
 

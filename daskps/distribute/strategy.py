@@ -13,9 +13,10 @@ so scheduled functions may capture it and call ``strategy.run`` on a worker.
 from __future__ import annotations
 
 import contextvars
+import inspect
 import logging
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -26,22 +27,22 @@ from daskps.distribute import placement
 from daskps.distribute.cluster import DaskClusterResolver
 from daskps.distribute.context import (
     DATASET_CONTEXT,
-    _SingleReplicaExtended,
-    _SingleReplicaStrategy,
+    SingleReplicaExtended,
+    SingleReplicaStrategy,
     in_scheduled_function,
 )
 from daskps.ps import protocol
 from daskps.ps.group import ServerGroup
 from daskps.ps.plugin import install_plugin
 from daskps.ps.routing import ROUTES, ServerRef
-from daskps.ui.display import strategy_html, strategy_text
+from daskps.ui.display import StrategyView, strategy_html, strategy_text
 
 __all__ = ["ParameterServerStrategy"]
 
 logger = logging.getLogger("daskps")
 
 
-class ParameterServerExtended(_SingleReplicaExtended):
+class ParameterServerExtended(SingleReplicaExtended):
     """``strategy.extended`` of a :class:`ParameterServerStrategy`."""
 
     _strategy: ParameterServerStrategy
@@ -50,13 +51,18 @@ class ParameterServerExtended(_SingleReplicaExtended):
         super().__init__(strategy)
         self._colocate_with: contextvars.ContextVar[Any] = contextvars.ContextVar("daskps_colocate", default=None)
 
+    @property
+    def colocation(self) -> ServerRef | None:
+        """The server of the innermost ``colocate_vars_with`` block around this code, if any."""
+        return self._colocate_with.get()
+
     @contextmanager
     def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
         """Create variables on the same parameter server as ``colocate_with_variable``.
 
         Such variables are never partitioned.
         """
-        plain = hasattr(colocate_with_variable, "_ref")
+        plain = hasattr(colocate_with_variable, "handle")
         if not plain or not self.variable_created_in_scope(colocate_with_variable):
             raise ValueError(
                 "colocate_with_variable must be a Variable created in this strategy's scope, "
@@ -70,22 +76,22 @@ class ParameterServerExtended(_SingleReplicaExtended):
             self._colocate_with.reset(token)
 
     def variable_created_in_scope(self, v: Any) -> bool:
-        shards = getattr(v, "_shard_variables", None)
+        shards = v.variables if hasattr(v, "row_offsets") else None  # a ShardedVariable
         if shards is not None:
             return all(self.variable_created_in_scope(s) for s in shards)
-        return hasattr(v, "_ref") and v._strategy_token == self._strategy._token
+        return hasattr(v, "handle") and getattr(v, "strategy_token", None) == self._strategy.token
 
     @property
     def parameter_devices(self) -> tuple[str, ...]:
-        return tuple(ps.device for ps in self._strategy._ps)
+        return tuple(ps.device for ps in self._strategy.servers)
 
     @property
     def worker_devices(self) -> tuple[str, ...]:
-        n = len(self._strategy._worker_names)
+        n = len(self._strategy.trainer_names)
         return tuple(f"/job:worker/replica:0/task:{i}/device:CPU:0" for i in range(n))
 
 
-class ParameterServerStrategy(_SingleReplicaStrategy):
+class ParameterServerStrategy(SingleReplicaStrategy):
     """Asynchronous training with variables on Dask parameter-server workers.
 
     Parameters
@@ -156,11 +162,33 @@ class ParameterServerStrategy(_SingleReplicaStrategy):
         self._ps: list[ServerRef] = self._group.servers
         self._variable_count = 0
         self._coordinator: Any = None
-        self._datasets: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._closers: list[Callable[[], Callable[[], object] | None]] = []
 
     # -- pickling: a worker-side view ------------------------------------------
     def __reduce__(self) -> Any:
-        return (_worker_view, (self._token, tuple(self._ps), tuple(self._worker_names), self._variable_partitioner))
+        return (self._worker_view, (self._token, tuple(self._ps), tuple(self._worker_names),
+                                    self._variable_partitioner))
+
+    @staticmethod  # (a plain function: cloudpickle sends it by reference, as a module-level one)
+    def _worker_view(token: str, ps: tuple, worker_names: tuple, partitioner: Any) -> ParameterServerStrategy:
+        """Rebuild (once per process) the strategy a scheduled function captured."""
+        view = _WORKER_VIEWS.get(token)
+        if view is None:
+            view = object.__new__(ParameterServerStrategy)
+            SingleReplicaStrategy.__init__(view)
+            view._resolver = None
+            view._owns_client = False
+            view._client = None
+            view._token = token
+            view._ps = list(ps)
+            view._worker_names = list(worker_names)
+            view._variable_partitioner = partitioner
+            view._variable_count = 0
+            view._coordinator = None
+            view._group = None
+            view._closers = []
+            _WORKER_VIEWS[token] = view
+        return view
 
     @property
     def cluster_resolver(self) -> DaskClusterResolver | None:
@@ -185,6 +213,26 @@ class ParameterServerStrategy(_SingleReplicaStrategy):
         """The coordinator's ``distributed.Client`` (``None`` in a worker's copy)."""
         return self._client
 
+    @property
+    def coordinator(self) -> Any:
+        """The ``ClusterCoordinator`` of this strategy, once one is made (there is one per strategy)."""
+        return self._coordinator
+
+    def adopt_coordinator(self, coordinator: Any) -> None:
+        """Called by ``ClusterCoordinator(strategy)``: the strategy's one coordinator."""
+        if self._coordinator is not None and self._coordinator is not coordinator:
+            raise ValueError("this strategy has a ClusterCoordinator already")
+        self._coordinator = coordinator
+
+    def on_close(self, callback: Callable[[], object]) -> None:
+        """Have ``close()`` call ``callback`` before it releases the servers (in the order given).
+
+        A bound method is held weakly: an object that goes away is not kept for this.
+        """
+        ref: Callable[[], Callable[[], object] | None]
+        ref = weakref.WeakMethod(callback) if inspect.ismethod(callback) else (lambda: callback)
+        self._closers = [r for r in self._closers if r() is not None] + [ref]
+
     # -- lifetime -----------------------------------------------------------------
     def close(self) -> None:
         """Release the parameter servers and everything on them.
@@ -199,10 +247,9 @@ class ParameterServerStrategy(_SingleReplicaStrategy):
         if group is None or group.closed:
             return
         try:
-            if self._coordinator is not None:
-                self._coordinator._cancel_all()
-            for dataset in list(self._datasets):
-                dataset._release()
+            for closer in [r() for r in self._closers]:
+                if closer is not None:
+                    closer()
         except Exception as exc:  # e.g. the client is closed: the servers must go all the same
             logger.warning("daskps: strategy.close() could not reach the workers: %s", exc)
         finally:
@@ -267,7 +314,7 @@ class ParameterServerStrategy(_SingleReplicaStrategy):
             )
 
     # -- variable creation -------------------------------------------------
-    def _variable_creator(self, initial_value: Any = None, trainable: bool = True, name: str | None = None,
+    def variable_creator(self, initial_value: Any = None, trainable: bool = True, name: str | None = None,
                           dtype: Any = None, shape: Any = None) -> placement.Placed:
         """Create a variable on the servers (called by ``Variable(...)`` in this scope)."""
         if self._group is None:
@@ -279,7 +326,7 @@ class ParameterServerStrategy(_SingleReplicaStrategy):
                 "variable_partitioner"
             )
         name, dtype, shape = check_variable_args(initial_value, name, dtype, shape)
-        colocate = self._extended._colocate_with.get()
+        colocate = self._extended.colocation
         count = self._variable_count
         try:
             if colocate is not None:  # never partitioned
@@ -287,16 +334,22 @@ class ParameterServerStrategy(_SingleReplicaStrategy):
                 return placement.Placed(name, placement.create(self._group, [part]), False, trainable)
             if self._variable_partitioner is not None:
                 return placement.create_partitioned(self, initial_value, trainable, name, dtype, shape)
-            part = placement.Part(self._next_ps(), name, initial_value, shape, dtype)
+            part = placement.Part(self.next_server(), name, initial_value, shape, dtype)
             return placement.Placed(name, placement.create(self._group, [part]), False, trainable)
         except BaseException:
             self._variable_count = count  # a failed create takes no place in the rotation
             raise
 
-    def _next_ps(self) -> ServerRef:
+    def next_server(self) -> ServerRef:
+        """The server the next variable (or part) made in this scope goes to: round robin, as TensorFlow places them."""
         ps = self._ps[self._variable_count % len(self._ps)]
         self._variable_count += 1
         return ps
+
+    @property
+    def variable_partitioner(self) -> Any:
+        """The partitioner variables made in this scope are split by (``None``: not split)."""
+        return self._variable_partitioner
 
     def ps_stats(self) -> list[dict[str, Any]]:
         """Counters and sizes of every parameter server, one call per server."""
@@ -304,11 +357,20 @@ class ParameterServerStrategy(_SingleReplicaStrategy):
         return [s.as_dict() for s in protocol.stats(self._ps, self._group)]
 
     def _repr_html_(self) -> str:
-        return strategy_html(self)
+        return strategy_html(self._display())
 
     def summary(self) -> str:
         """Servers (variables, bytes, reads, updates) and trainers, as text; never blocks long."""
-        return strategy_text(self)
+        return strategy_text(self._display())
+
+    def _display(self) -> StrategyView:
+        try:
+            current = dict(self._resolver.training_workers()) if self._resolver is not None else {}
+        except Exception:  # a display must not fail: show what we know
+            current = {}
+        trainers = [(name, current.get(name, "gone")) for name in self._worker_names]
+        link = self._client.dashboard_link if self._client is not None else ""
+        return StrategyView(repr(self), list(self._ps), self._group, self.closed, trainers, link)
 
     def __repr__(self) -> str:
         if self._client is None:
@@ -324,27 +386,6 @@ class ParameterServerStrategy(_SingleReplicaStrategy):
 
 
 _WORKER_VIEWS: weakref.WeakValueDictionary[str, ParameterServerStrategy] = weakref.WeakValueDictionary()
-
-
-def _worker_view(token: str, ps: tuple, worker_names: tuple, partitioner: Any) -> ParameterServerStrategy:
-    """Rebuild (once per process) the strategy a scheduled function captured."""
-    view = _WORKER_VIEWS.get(token)
-    if view is None:
-        view = object.__new__(ParameterServerStrategy)
-        _SingleReplicaStrategy.__init__(view)
-        view._resolver = None
-        view._owns_client = False
-        view._client = None
-        view._token = token
-        view._ps = list(ps)
-        view._worker_names = list(worker_names)
-        view._variable_partitioner = partitioner
-        view._variable_count = 0
-        view._coordinator = None
-        view._group = None
-        view._datasets = weakref.WeakSet()
-        _WORKER_VIEWS[token] = view
-    return view
 
 
 def _resolve(cluster_resolver: Any) -> tuple[DaskClusterResolver, bool]:

@@ -34,6 +34,7 @@ PLUGIN_NAME = "daskps"
 BATCH_TOPIC_PREFIX = "daskps-batches-"
 REPORTED_HANDLER = "daskps_reported"
 TRAINERS_HANDLER = "daskps_trainers"
+CLEANUP_HANDLER = "daskps_run_cleanup"
 INPUT_HANDLER = "daskps_input_claim"
 # Logged on a strategy's batch topic when the worker of one of its servers leaves: [LOST, [actor keys]].
 LOST = "daskps-lost-servers"
@@ -76,6 +77,7 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
         scheduler.handlers[REPORTED_HANDLER] = self.batch_reported
         scheduler.handlers[TRAINERS_HANDLER] = self.count_workers_with
         scheduler.handlers[INPUT_HANDLER] = self.input_claim
+        scheduler.handlers[CLEANUP_HANDLER] = self.run_cleanup
         for key, ts in scheduler.tasks.items():  # servers made before the plugin
             if parse_server_key(key) and ts.who_has:
                 self.servers[key] = next(iter(ts.who_has)).address
@@ -130,6 +132,14 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
         """
         return {"reported": sorted(self.reported.get(key, ())), "moves": dict(self.moves)}
 
+    async def run_cleanup(self, server_key: str, cleanup_id: str) -> None:
+        """Run a cleanup (see :func:`add_cleanup`) on every worker now, and forget it: its object was dropped."""
+        while server_key in self.replaced:
+            server_key = self.replaced[server_key]
+        todo = self.cleanups.get(server_key, {}).pop(cleanup_id, None)
+        if todo is not None:
+            await _run_on_workers(self.scheduler, [todo])
+
     def count_workers_with(self, resource: str) -> int:
         """How many live workers hold ``resource`` (the coordinator sizes its batches by it)."""
         return sum(1 for amount in self.scheduler.resources.get(resource, {}).values() if amount > 0)
@@ -182,15 +192,6 @@ def add_cleanup(server_key: str, cleanup_id: str, function: bytes, args: bytes, 
     """
     plugin = dask_scheduler.plugins[PLUGIN_NAME]
     plugin.cleanups.setdefault(server_key, {})[cleanup_id] = (function, args)
-
-
-def remove_cleanup(server_key: str, cleanup_id: str, dask_scheduler: Any = None) -> None:
-    """Forget a cleanup that is no longer needed (with ``client.run_on_scheduler``)."""
-    plugin = dask_scheduler.plugins.get(PLUGIN_NAME)
-    if plugin is not None:
-        while server_key in plugin.replaced:
-            server_key = plugin.replaced[server_key]
-        plugin.cleanups.get(server_key, {}).pop(cleanup_id, None)
 
 
 def move_cleanups(old_key: str, new_key: str, dask_scheduler: Any = None) -> None:

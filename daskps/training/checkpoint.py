@@ -76,7 +76,7 @@ def _collect(objects: dict[str, Any]) -> tuple[dict[str, _Tensor], dict[str, Opt
 
     def walk(obj: Any, path: str) -> None:
         if isinstance(obj, ShardedVariable):
-            tensors[path] = _Tensor([(v, a) for v, a, _ in obj._spans()], slotted=True)
+            tensors[path] = _Tensor(list(zip(obj.variables, obj.row_offsets)), slotted=True)
         elif isinstance(obj, Variable):
             tensors[path] = _Tensor([(obj, 0)], slotted=True)
         elif isinstance(obj, Optimizer):
@@ -145,7 +145,7 @@ class Checkpoint:
         tensors, optimizers = _collect(self._objects)
         items = []
         for name, t in tensors.items():
-            opts = [(p, o._key) for p, o in optimizers.items()] if t.slotted else []
+            opts = [(p, o.server_key) for p, o in optimizers.items()] if t.slotted else []
             items += [(v.handle, name, offset, opts) for v, offset in t.parts]
         nbytes = sum(v.nbytes for t in tensors.values() for v, _ in t.parts)
         show = progress if progress is not None else nbytes >= float(dask.config.get("daskps.progress-bytes"))
@@ -197,7 +197,7 @@ class Checkpoint:
                 if servers is not None and v.handle.server not in servers:
                     continue
                 stop = offset + (v.shape[0] if v.shape else 1)
-                slots = ({o._key: _saved_slots(slots_of, saved[name], name, p) for p, o in optimizers.items()}
+                slots = ({o.server_key: _saved_slots(slots_of, saved[name], name, p) for p, o in optimizers.items()}
                          if t.slotted else {})
                 pieces = saved[name]["pieces"]
                 items.append((v.handle, {"start": offset, "stop": stop, "pieces": pieces, "slots": slots}))
@@ -367,7 +367,7 @@ def _check_optimizers_reach(tensors: dict[str, _Tensor], optimizers: dict[str, O
         for opt_path, opt in optimizers.items():
             if opt_path not in slots_of.get(name, {}):
                 continue
-            reach = {r.server for r in opt._refs}
+            reach = {h.server for h in opt.handles}
             for v, _ in t.parts:
                 if v.handle.server not in reach:
                     raise ValueError(

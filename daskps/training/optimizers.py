@@ -114,15 +114,15 @@ class Optimizer:
             ("clipnorm", clipnorm), ("clipvalue", clipvalue), ("global_clipnorm", global_clipnorm))))
         mode = context.current_mode()
         strategy: Any = mode.strategy
-        in_scope = getattr(strategy, "_variable_creator", None) is not None and mode.replica_context is None
-        if in_scope and getattr(strategy, "_group", None) is None:
+        in_scope = strategy.variable_creator is not None and mode.replica_context is None
+        if in_scope and strategy.group is None:
             raise RuntimeError("create optimizers on the coordinator, not inside a scheduled function")
         self._transform = transform
         self._clipping = clip
         self._lazy_sparse = bool(lazy_sparse)
         self.name = name
         self.iterations = Variable(np.int64(0), trainable=False, name=f"{name}/iterations")
-        owner = getattr(strategy, "_group", None) if in_scope else None
+        owner = strategy.group if in_scope else None
         servers = list(strategy.servers) if in_scope else []
         self._key = f"{name}@{uuid.uuid4().hex[:12]}"  # names this optimizer on the servers
         servers.append(LOCAL)  # local variables can be trained too
@@ -138,8 +138,27 @@ class Optimizer:
 
     def __reduce__(self) -> Any:
         remote = [r for r in self._refs if not r.server.is_local]  # this process's own server stays here
-        return (_rebuild, (type(self), self._transform, self.lazy_sparse, self.name, self.iterations,
-                           self._key, remote, self._clipping))
+        return (self._rebuilt, (type(self), self._transform, self.lazy_sparse, self.name, self.iterations,
+                                self._key, remote, self._clipping))
+
+    @staticmethod  # (a plain function: cloudpickle sends it by reference, as a module-level one)
+    def _rebuilt(cls: type, transform: Any, lazy: bool, name: str, iterations: Variable, key: str, held: list,
+                 clipping: Any) -> Optimizer:
+        """The optimizer as a scheduled function captured it (on a trainer)."""
+        opt: Optimizer = object.__new__(cls)
+        opt._transform, opt._lazy_sparse, opt.name, opt.iterations = transform, lazy, name, iterations
+        opt._key, opt._refs, opt._built, opt._clipping = key, held, None, clipping
+        return opt
+
+    @property
+    def server_key(self) -> str:
+        """The key that names this optimizer (its settings and slots) on the parameter servers."""
+        return self._key
+
+    @property
+    def handles(self) -> tuple[Any, ...]:
+        """This optimizer's handles, one per server it is configured on."""
+        return tuple(self._refs)
 
     # -- hyperparameters --------------------------------------------------------
     @property
@@ -330,14 +349,6 @@ class Optimizer:
         return f"<daskps.optimizers.{type(self).__name__} {self.name!r} learning_rate={rate}>"
 
 
-def _rebuild(cls: type, transform: Any, lazy: bool, name: str, iterations: Variable, key: str, held: list,
-             clipping: Any) -> Optimizer:
-    opt: Optimizer = object.__new__(cls)
-    opt._transform, opt._lazy_sparse, opt.name, opt.iterations = transform, lazy, name, iterations
-    opt._key, opt._refs, opt._built, opt._clipping = key, held, None, clipping
-    return opt
-
-
 def _refs_of(var: Any, arg: str) -> list[Any]:
     return [v.handle for v in shards_of(var, arg)]
 
@@ -367,7 +378,7 @@ def _split_gradient(var: Any, kind: str, payload: Any) -> list[tuple[Variable, s
     if isinstance(var, Variable):
         return [(var, kind, payload)]
     if kind == "dense":
-        return [(v, "dense", payload[a:b]) for v, a, b in var._spans()]
+        return [(v, "dense", payload[a:b]) for v, a, b in zip(var.variables, var.row_offsets, var.row_offsets[1:])]
     # Every shard gets its part, even an empty one, so that all shards count the
     # same steps and Adam's bias correction does not depend on the sharding.
-    return list(zip(var.variables, ["rows"] * len(var.variables), rows.split_rows(var._offsets, *payload)))
+    return list(zip(var.variables, ["rows"] * len(var.variables), rows.split_rows(var.row_offsets, *payload)))

@@ -8,26 +8,38 @@ such instead of hanging the notebook.
 from __future__ import annotations
 
 import html
-from typing import Any
+from typing import Any, NamedTuple
 
 import dask.config
 from dask.utils import format_bytes, parse_timedelta
 
 from daskps.ps import protocol
+from daskps.ps.routing import ServerRef
 
 
 def display_timeout() -> float:
     return parse_timedelta(dask.config.get("daskps.display-timeout"))
 
 
-def server_rows(strategy: Any) -> list[dict[str, Any]]:
+class StrategyView(NamedTuple):
+    """What a strategy's displays show: handed over by the strategy, read here."""
+
+    title: str  # its repr
+    servers: list[ServerRef]
+    group: Any  # the servers' group, to ask them for their stats
+    closed: bool
+    trainers: list[tuple[str, str]]  # (name, address or "gone") of each trainer, by index
+    dashboard_link: str
+
+
+def server_rows(view: StrategyView) -> list[dict[str, Any]]:
     """One row per parameter server: address, state, variables, bytes, reads, updates."""
-    if strategy.closed:
+    if view.closed:
         return [{"task": ps.task_id, "device": ps.device, "address": ps.address, "status": "closed"}
-                for ps in strategy.servers]
-    results = protocol.stats_within(strategy.servers, strategy.group, display_timeout())
+                for ps in view.servers]
+    results = protocol.stats_within(view.servers, view.group, display_timeout())
     rows = []
-    for ps, res in zip(strategy.servers, results):
+    for ps, res in zip(view.servers, results):
         row: dict[str, Any] = {"task": ps.task_id, "device": ps.device, "address": ps.address}
         if isinstance(res, BaseException):
             row["status"] = f"unreachable: {type(res).__name__}: {res}"
@@ -44,27 +56,18 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def _trainers(strategy: Any) -> list[tuple[str, str]]:
-    """``(name, address)`` of each trainer, as the scheduler knows them now."""
-    try:
-        current = dict(strategy.cluster_resolver.training_workers())
-    except Exception:  # a display must not fail: show what we know
-        current = {}
-    return [(name, current.get(name, "gone")) for name in strategy.trainer_names]
-
-
-def strategy_html(strategy: Any) -> str:
+def strategy_html(view: StrategyView) -> str:
     rows = []
-    for r in server_rows(strategy):
+    for r in server_rows(view):
         if r["status"] == "ok":
             rows.append([f"ps {r['task']}", r["address"], r["variables"], format_bytes(r["nbytes"]),
                          f"{r['reads']:,}", f"{r['updates']:,}", "ok"])
         else:
             rows.append([f"ps {r['task']}", r["address"], "", "", "", "", r["status"]])
-    trainers = [[f"worker {i}", name, addr] for i, (name, addr) in enumerate(_trainers(strategy))]
-    link = strategy.client.dashboard_link
+    trainers = [[f"worker {i}", name, addr] for i, (name, addr) in enumerate(view.trainers)]
+    link = view.dashboard_link
     return (
-        f"<div><strong>ParameterServerStrategy</strong> &mdash; {len(strategy.servers)} parameter servers, "
+        f"<div><strong>ParameterServerStrategy</strong> &mdash; {len(view.servers)} parameter servers, "
         f"{len(trainers)} trainers &mdash; dashboard: <a href='{html.escape(link)}' target='_blank'>"
         f"{html.escape(link)}</a>"
         + _table(["server", "address", "variables", "bytes", "reads", "updates", "state"], rows)
@@ -73,15 +76,15 @@ def strategy_html(strategy: Any) -> str:
     )
 
 
-def strategy_text(strategy: Any) -> str:
-    lines = [repr(strategy), f"dashboard: {strategy.client.dashboard_link}"]
-    for r in server_rows(strategy):
+def strategy_text(view: StrategyView) -> str:
+    lines = [view.title, f"dashboard: {view.dashboard_link}"]
+    for r in server_rows(view):
         if r["status"] == "ok":
             lines.append(f"  ps {r['task']} {r['address']}: {r['variables']} variables, "
                          f"{format_bytes(r['nbytes'])}, {r['reads']:,} reads, {r['updates']:,} updates")
         else:
             lines.append(f"  ps {r['task']} {r['address']}: {r['status']}")
-    lines += [f"  worker {i}: {name} {addr}" for i, (name, addr) in enumerate(_trainers(strategy))]
+    lines += [f"  worker {i}: {name} {addr}" for i, (name, addr) in enumerate(view.trainers)]
     return "\n".join(lines)
 
 
@@ -97,7 +100,8 @@ def variable_html(v: Any) -> str:
 
 
 def sharded_html(sv: Any) -> str:
-    rows = [[v.name, f"{a}:{b}", format_bytes(v.nbytes), v.device, _where(v)] for v, a, b in sv._spans()]
+    spans = zip(sv.variables, sv.row_offsets, sv.row_offsets[1:])
+    rows = [[v.name, f"{a}:{b}", format_bytes(v.nbytes), v.device, _where(v)] for v, a, b in spans]
     return (
         f"<div><strong>daskps.ShardedVariable</strong> {html.escape(sv.name)} shape={sv.shape} "
         f"dtype={sv.dtype} ({format_bytes(sv.nbytes)} in {len(rows)} shards)"
@@ -105,8 +109,8 @@ def sharded_html(sv: Any) -> str:
     )
 
 
-def coordinator_html(coordinator: Any) -> str:
-    s = coordinator.summary()
+def coordinator_html(s: dict[str, Any]) -> str:
+    """A coordinator's ``summary()`` as HTML."""
     rows = [[s["scheduled"], s["in_flight"], s["done"], s["failed"], s["cancelled"], f"{s['per_second']:.1f}"]]
     error = "" if s["last_error"] is None else f"<div>last error: <code>{html.escape(s['last_error'])}</code></div>"
     return (

@@ -1,9 +1,9 @@
 """Progress bars for long actions, in a terminal or a Jupyter notebook.
 
-``progress(coordinator, metrics)`` waits for every scheduled function like
-``coordinator.join()``, showing how many have finished, the rate, and the
-latest values of the given metrics. Large checkpoint saves show the bytes
-written the same way. In a notebook the bar is an HTML display updated in
+:class:`ProgressBar` shows how much of something is done and the rate;
+``dps.progress(coordinator, metrics)`` (:mod:`daskps.coordinator.progress`)
+uses it for training, and large checkpoint saves (:func:`watch`) for the
+bytes written. In a notebook the bar is an HTML display updated in
 place (no widget library needed); elsewhere it is one line on stderr
 rewritten with ``\\r``.
 """
@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ProgressBar", "progress"]
+__all__ = ["ProgressBar", "watch"]
 
 
 def in_notebook() -> bool:
@@ -84,51 +84,6 @@ class ProgressBar:
         if not self._notebook:
             self._file.write("\n")
             self._file.flush()
-
-
-def _metric_text(metrics: dict[str, Any] | None) -> str:
-    if not metrics:
-        return ""
-    parts = []
-    for name, m in metrics.items():
-        try:
-            parts.append(f"{name}={float(m.result() if hasattr(m, 'result') else m()):.4g}")
-        except Exception as exc:  # a display must not break training
-            parts.append(f"{name}=<{type(exc).__name__}>")
-    return " ".join(parts)
-
-
-def progress(coordinator: Any, metrics: dict[str, Any] | None = None, interval: float = 0.5,
-             label: str = "training", file: Any = None, notebook: bool | None = None) -> ProgressBar:
-    """Wait for everything ``coordinator`` has scheduled, showing a progress bar.
-
-    The bar counts the functions scheduled since the last ``join()`` (or
-    ``progress()``), including those already finished.
-
-    ``metrics`` maps names to ``dps.metrics`` objects (or zero-argument
-    callables) shown with their latest values. Raises what ``join()``
-    raises; interrupted, it cancels every pending function, as ``join()``
-    does. Returns the bar (``.last`` is its final line).
-
-    >>> dps.progress(coordinator, {"loss": train_loss})        # doctest: +SKIP
-    training [##############################] 240/240 steps 31.5/s loss=0.5072
-    """
-    bar = ProgressBar(label, coordinator.summary()["since_join"], "steps", file=file, notebook=notebook)
-    try:
-        while True:
-            s = coordinator.summary()
-            bar.total = s["since_join"]  # everything scheduled since the last join(), done or not
-            bar.update(bar.total - s["in_flight"], _metric_text(metrics))
-            if s["in_flight"] == 0:
-                break
-            time.sleep(interval)
-    except KeyboardInterrupt:  # as join(): the pending functions are cancelled
-        coordinator.cancel()
-        raise
-    finally:
-        bar.close()
-    coordinator.join()
-    return bar
 
 
 def watch(label: str, total_bytes: int, measure: Callable[[], float], stop: Callable[[], bool],

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from daskps._core.updates import check_indices
+from daskps.variables import rows
 from daskps.variables.rows import clip_rows
 from daskps.variables.variable import ShardedVariable, Variable
 
@@ -38,8 +39,10 @@ def embedding_lookup(params: Any, ids: Any, max_norm: float | None = None, name:
     """
     if isinstance(params, (list, tuple)):
         params = params[0] if len(params) == 1 else ShardedVariable(list(params), name="embedding")
-    if isinstance(params, (ShardedVariable, Variable)):
-        found = params._gather(ids, arg="ids")
+    if isinstance(params, ShardedVariable):
+        found = rows.gather_rows(params.variables, params.row_offsets, ids, params.name, arg="ids")
+    elif isinstance(params, Variable):
+        found = rows.gather_rows([params], (0, params.shape[0] if params.shape else 0), ids, params.name, arg="ids")
     else:
         table = np.asarray(params)
         found = table[check_indices(ids, len(table), "params", "ids", one_d=False)]

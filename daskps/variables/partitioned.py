@@ -9,7 +9,7 @@ import numpy as np
 
 from daskps._core.arrays import build_part
 from daskps.distribute import context, placement
-from daskps.distribute.partitioners import _shape
+from daskps.distribute.partitioners import as_shape
 from daskps.variables.variable import Variable
 
 __all__ = ["create_partitioned_variables"]
@@ -48,8 +48,8 @@ def create_partitioned_variables(
     >>> [p.name for p in parts], [p.shape for p in parts]
     (['PartitionedVariable/part_0', 'PartitionedVariable/part_1'], [(3, 2), (2, 2)])
     """
-    shape = _shape(shape)
-    slicing = _shape(slicing)
+    shape = as_shape(shape)
+    slicing = as_shape(slicing)
     if len(shape) != len(slicing):
         raise ValueError(f"shape and slicing must have the same length, got shape {shape} and slicing {slicing}")
     if not shape:
@@ -72,12 +72,12 @@ def _create(initializer: Any, shape: tuple, dtype: np.dtype, axis: int, num: int
     """On the servers in a ``ParameterServerStrategy`` scope, round robin; local variables elsewhere."""
     mode = context.current_mode()
     strategy: Any = mode.strategy
-    if getattr(strategy, "_variable_creator", None) is not None and mode.replica_context is None:
+    if strategy.variable_creator is not None and mode.replica_context is None:
         if strategy.group is None:
             raise RuntimeError("variables can only be created on the coordinator, not inside a scheduled function")
         strategy.check_open("create_partitioned_variables")
         parts = placement.create_div_parts(strategy, initializer, shape, dtype, axis, num, name)
-        return [Variable._from_ref(p.ref, p.shape, p.dtype, trainable, strategy.token) for p in parts]
+        return [Variable.from_handle(p.ref, p.shape, p.dtype, trainable, strategy.token) for p in parts]
     out = []
     for i, (part_shape, offset) in enumerate(placement.div_specs(shape, axis, num)):
         fn = initializer if callable(initializer) else None

@@ -125,7 +125,7 @@ def getitem(sv: Any, index: Any) -> np.ndarray:
             pos = i
             break
     first: Any = parts[pos] if pos < len(parts) and parts[pos] is not Ellipsis else slice(None)
-    n, offsets, shards = sv.shape[0], sv._offsets, sv._variables
+    n, offsets, shards = sv.shape[0], sv.row_offsets, sv.variables
     if _is_int(first):
         row = int(first) % n
         s = int(np.searchsorted(offsets, row, side="right")) - 1
@@ -144,7 +144,7 @@ def getitem(sv: Any, index: Any) -> np.ndarray:
 
 def _get_slice(sv: Any, parts: list, pos: int, first: slice) -> np.ndarray:
     """``sv[parts]`` where axis 0 is indexed by the slice ``first`` at ``parts[pos]``."""
-    pieces = _split_range(range(*first.indices(sv.shape[0])), sv._offsets)
+    pieces, shards = _split_range(range(*first.indices(sv.shape[0])), sv.row_offsets), sv.variables
     named = pos < len(parts) and parts[pos] is not Ellipsis
     if all(x is None or x is Ellipsis or isinstance(x, slice) or _is_int(x) for x in parts):
         # Basic indexing: each shard applies the whole index; only the result travels.
@@ -152,9 +152,9 @@ def _get_slice(sv: Any, parts: list, pos: int, first: slice) -> np.ndarray:
         for s, local in pieces:
             if named:
                 parts[pos] = local
-            items.append((sv._variables[s], tuple(parts)))
+            items.append((shards[s], tuple(parts)))
         return np.concatenate(_fetch(items), axis=sum(x is None for x in parts[:pos]))
-    rows = np.concatenate(_fetch([(sv._variables[s], local) for s, local in pieces]), axis=0)
+    rows = np.concatenate(_fetch([(shards[s], local) for s, local in pieces]), axis=0)
     if named:
         parts[pos] = slice(None)
     return rows[tuple(parts)]

@@ -47,7 +47,7 @@ class _VariableMeta(type):
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         if cls is Variable:
             mode = context.current_mode()
-            creator = getattr(mode.strategy, "_variable_creator", None)
+            creator = mode.strategy.variable_creator
             if creator is not None and mode.replica_context is None:
                 return _wrap_placed(creator(*args, **kwargs), mode.strategy)
         return super().__call__(*args, **kwargs)
@@ -104,7 +104,8 @@ class Variable(ArrayLike, metaclass=_VariableMeta):
         self._strategy_token = token
 
     @classmethod
-    def _from_ref(cls, ref: Ref, shape: tuple, dtype: Any, trainable: bool, token: str | None = None) -> Variable:
+    def from_handle(cls, ref: Ref, shape: tuple, dtype: Any, trainable: bool, token: str | None = None) -> Variable:
+        """A Variable for an object already on its server (``token``: of the strategy that made it)."""
         var = object.__new__(Variable)
         var._setup(ref, shape, dtype, trainable, token)
         return var
@@ -125,6 +126,11 @@ class Variable(ArrayLike, metaclass=_VariableMeta):
     def handle(self) -> Ref:
         """The handle of the array on its parameter server (as TensorFlow's ``Variable.handle``)."""
         return self._ref
+
+    @property
+    def strategy_token(self) -> str | None:
+        """The token of the strategy whose scope made this variable (``None`` for a local variable)."""
+        return self._strategy_token
 
     @property
     def name(self) -> str:
@@ -230,9 +236,10 @@ class ShardedVariable(ArrayLike):
             raise TypeError(f"name must be a non-empty str, got {name!r}")
         self._variables = list(variables)
         self._name = name
-        self._offsets = [0]
+        offsets = [0]
         for s in shapes:
-            self._offsets.append(self._offsets[-1] + s[0])
+            offsets.append(offsets[-1] + s[0])
+        self._offsets = tuple(offsets)
         self._shape = (self._offsets[-1],) + shapes[0][1:]
 
     def __reduce__(self) -> Any:
@@ -244,8 +251,10 @@ class ShardedVariable(ArrayLike):
         return list(self._variables)
 
     @property
-    def _shard_variables(self) -> list[Variable]:
-        return self._variables
+    def row_offsets(self) -> tuple[int, ...]:
+        """Where each shard starts along axis 0, and the total: shard ``i`` holds rows
+        ``row_offsets[i]:row_offsets[i + 1]``."""
+        return self._offsets
 
     @property
     def name(self) -> str:
@@ -310,18 +319,18 @@ class ShardedVariable(ArrayLike):
 
 
 def _rebuild(ref: Ref, shape: tuple, dtype: str, trainable: bool, token: str | None) -> Variable:
-    return Variable._from_ref(ref, shape, dtype, trainable, token)
+    return Variable.from_handle(ref, shape, dtype, trainable, token)
 
 
 def _wrap_placed(placed: Any, strategy: Any) -> Any:
     """Variables (or a ShardedVariable) for what a strategy's placement created."""
-    parts = [Variable._from_ref(p.ref, p.shape, p.dtype, placed.trainable, strategy.token) for p in placed.parts]
+    parts = [Variable.from_handle(p.ref, p.shape, p.dtype, placed.trainable, strategy.token) for p in placed.parts]
     return ShardedVariable(parts, name=placed.name) if placed.sharded else parts[0]
 
 
 def shards_of(v: Any, arg: str = "variables") -> list[Variable]:
     """The variables ``v`` is made of: itself, or a ShardedVariable's shards."""
-    parts = getattr(v, "_shard_variables", None)
+    parts = v.variables if isinstance(v, ShardedVariable) else None
     if parts is not None:
         return list(parts)
     if not isinstance(v, Variable):
@@ -402,7 +411,7 @@ def _plan(v: Any) -> tuple[list[tuple[Variable, Any]], Any]:
     if isinstance(v, tuple) and len(v) == 2:
         table, ids = v
         shards = shards_of(table)
-        offsets = getattr(table, "_offsets", [0, table.shape[0] if table.shape else 0])
+        offsets = table.row_offsets if isinstance(table, ShardedVariable) else (0, table.shape[0] if table.shape else 0)
         return rows.plan_rows(shards, offsets, ids, table.name)
     shards = shards_of(v)
     return [(s, None) for s in shards], lambda values: values[0] if len(values) == 1 else np.concatenate(values)
