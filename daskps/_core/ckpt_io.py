@@ -11,9 +11,9 @@ contiguous, so a read is one ranged request).
 >>> import fsspec
 >>> fs = fsspec.filesystem("memory")
 >>> rec = write_piece(fs, "/doc", "w", 2, np.arange(6.0).reshape(3, 2))
->>> rec["file"], rec["offset"], rec["rows"]
+>>> rec.piece["file"], rec.piece["offset"], rec.piece["rows"]
 ('w@2.npy', 2, 3)
->>> read_rows(fs, "/doc", 3, 5, [rec], (2,), np.dtype("float64"))
+>>> read_rows(fs, "/doc", 3, 5, [rec.piece], (2,), np.dtype("float64"))
 array([[2., 3.],
        [4., 5.]])
 """
@@ -21,7 +21,7 @@ array([[2., 3.],
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import quote
 
 import numpy as np
@@ -42,36 +42,59 @@ def slot_tensor(tensor: str, optimizer_path: str, slot: str) -> str:
     return f"{tensor}/{SLOT}/{optimizer_path}/{slot}"
 
 
-def write_piece(fs: Any, root: str, tensor: str, offset: int, array: np.ndarray) -> dict[str, Any]:
+class Written(NamedTuple):
+    """What a server wrote for one piece: its tensor, dtype, the piece as the manifest lists it
+    (``file``, ``offset``, ``rows``, ``shape``), and the optimizer step counts it holds: ``step``
+    for a slot, ``steps`` (by optimizer path) for a variable trained by optimizers with state."""
+
+    tensor: str
+    dtype: str
+    piece: dict[str, Any]
+    step: int | None = None
+    steps: dict[str, int] | None = None
+
+
+class SavedSlots(NamedTuple):
+    """What one optimizer saved for a tensor: its update count and each slot's pieces."""
+
+    step: int
+    pieces: dict[str, list[dict[str, Any]]]
+
+
+class RestoreSpec(NamedTuple):
+    """One restore target: rows ``[start, stop)`` of a saved tensor (its manifest ``pieces``), and
+    for each optimizer key what it saved (``None``: nothing, its slots start afresh)."""
+
+    start: int
+    stop: int
+    pieces: list[dict[str, Any]]
+    slots: dict[str, SavedSlots | None]
+
+
+def write_piece(fs: Any, root: str, tensor: str, offset: int, array: np.ndarray) -> Written:
     """Write ``array`` as rows from ``offset`` of ``tensor``; return its record."""
     name = f"{quote(tensor, safe='')}@{offset}.npy"
     arr = array if array.flags.c_contiguous else np.array(array, order="C")  # ascontiguousarray turns 0-d into 1-d
     with fs.open(f"{root}/{name}", "wb") as f:
         np.lib.format.write_array_header_2_0(f, np.lib.format.header_data_from_array_1_0(arr))
         f.write(arr.reshape(-1).data.cast("B"))  # one write, no copy
-    return {
-        "tensor": tensor,
-        "file": name,
-        "offset": int(offset),
-        "rows": int(arr.shape[0]) if arr.ndim else 1,
-        "shape": list(arr.shape),
-        "dtype": arr.dtype.str,
-    }
+    piece = {"file": name, "offset": int(offset), "rows": int(arr.shape[0]) if arr.ndim else 1,
+             "shape": list(arr.shape)}
+    return Written(tensor, arr.dtype.str, piece)
 
 
 def write_with_slots(
     fs: Any, root: str, tensor: str, offset: int, array: np.ndarray,
     slot_states: list[tuple[str, int, dict[str, np.ndarray]]],
-) -> list[dict[str, Any]]:
+) -> list[Written]:
     """Write a variable piece and, for each ``(optimizer_path, count, slots)``, its slot pieces."""
     records = [write_piece(fs, root, tensor, offset, array)]
     if slot_states:  # the update counts, also of states with no slot arrays (SGD without momentum)
-        records[0]["steps"] = {opt_path: int(count) for opt_path, count, _ in slot_states}
+        records[0] = records[0]._replace(steps={opt_path: int(count) for opt_path, count, _ in slot_states})
     for opt_path, count, slots in slot_states:
         for slot, value in sorted(slots.items()):
             rec = write_piece(fs, root, slot_tensor(tensor, opt_path, slot), offset, value)
-            rec["step"] = int(count)
-            records.append(rec)
+            records.append(rec._replace(step=int(count)))
     return records
 
 
@@ -150,22 +173,21 @@ def read_rows(
     return out
 
 
-def load_target(fs: Any, root: str, spec: dict, shape: tuple, dtype: np.dtype) -> tuple[np.ndarray, dict]:
+def load_target(fs: Any, root: str, spec: RestoreSpec, shape: tuple,
+                dtype: np.dtype) -> tuple[np.ndarray, dict[str, tuple[int, dict[str, np.ndarray]] | None]]:
     """Read one restore target: its rows, and the slots of each optimizer named in ``spec``.
 
-    ``spec``: ``{"start", "stop", "pieces", "slots": {opt_key: {"step", "pieces": {slot: [...]}} | None}}``.
     Returns the value (of ``shape``) and ``{opt_key: (count, {slot: array}) or None}``.
     """
-    start, stop = spec["start"], spec["stop"]
-    value = read_rows(fs, root, start, stop, spec["pieces"], shape[1:], dtype).reshape(shape)
-    slots: dict[str, Any] = {}
-    for opt_key, saved in spec["slots"].items():
+    value = read_rows(fs, root, spec.start, spec.stop, spec.pieces, shape[1:], dtype).reshape(shape)
+    slots: dict[str, tuple[int, dict[str, np.ndarray]] | None] = {}
+    for opt_key, saved in spec.slots.items():
         if saved is None:
             slots[opt_key] = None
             continue
         arrays = {
-            slot: read_rows(fs, root, start, stop, pieces, shape[1:], dtype).reshape(shape)
-            for slot, pieces in saved["pieces"].items()
+            slot: read_rows(fs, root, spec.start, spec.stop, pieces, shape[1:], dtype).reshape(shape)
+            for slot, pieces in saved.pieces.items()
         }
-        slots[opt_key] = (int(saved["step"]), arrays)
+        slots[opt_key] = (int(saved.step), arrays)
     return value, slots

@@ -17,6 +17,7 @@ from typing import NamedTuple, Union
 
 import numpy as np
 
+from daskps._core.ckpt_io import RestoreSpec
 from daskps._core.transforms import Transform
 from daskps.ps.tables import TableSpec
 
@@ -109,7 +110,7 @@ class SavePiece(NamedTuple):
 
 
 class Save(NamedTuple):
-    """Write the pieces straight to ``base``; the answer is their manifest records."""
+    """Write the pieces straight to ``base``; the answer is a list of :class:`Written` records."""
 
     base: str
     pieces: list[SavePiece]
@@ -120,7 +121,7 @@ class StageRestore(NamedTuple):
 
     token: str
     base: str
-    targets: list[tuple[str, dict]]
+    targets: list[tuple[str, RestoreSpec]]
 
 
 class CommitRestore(NamedTuple):

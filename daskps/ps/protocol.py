@@ -22,6 +22,7 @@ from typing import Protocol, cast
 
 import numpy as np
 
+from daskps._core.ckpt_io import RestoreSpec, Written
 from daskps._core.transforms import Transform
 from daskps.errors import PartlyAppliedError
 from daskps.ps import ops, pipeline
@@ -280,15 +281,15 @@ def _keys_by_server(pairs: Sequence[tuple[ServerRef, str]]) -> dict[ServerRef, l
     return keys
 
 
-def save(path: str, items: Sequence[tuple[Target, str, int, list[tuple[str, str]]]]) -> list[dict]:
+def save(path: str, items: Sequence[tuple[Target, str, int, list[tuple[str, str]]]]) -> list[Written]:
     """Each server writes its ``(target, tensor, offset, [(optimizer_path, opt_key)])`` pieces to ``path``."""
     targets = [t for t, *_ in items]
     calls: list[Call] = [(server, ops.Save(path, [ops.SavePiece(items[i][0].key, *items[i][1:]) for i in idx]))
                          for server, idx in _by_server(targets).items()]
-    return [rec for records in cast(list[list[dict]], call(calls, _owner(targets))) for rec in records]
+    return [rec for records in cast(list[list[Written]], call(calls, _owner(targets))) for rec in records]
 
 
-def restore(path: str, items: Sequence[tuple[Target, dict]]) -> None:
+def restore(path: str, items: Sequence[tuple[Target, RestoreSpec]]) -> None:
     """Every server reads its ``(target, spec)`` parts; only when all succeeded do they swap them in."""
     targets = [t for t, _ in items]
     owner, groups = _owner(targets), _by_server(targets)

@@ -32,6 +32,7 @@ from typing import Any
 import fsspec
 
 from daskps._core import transforms
+from daskps._core.ckpt_io import Written
 from daskps._core.updates import Refused
 from daskps.errors import PartlyAppliedError
 from daskps.ps import ops
@@ -249,7 +250,7 @@ class ParameterServer:
         self.updates += len(checked)
 
     # -- checkpoints ----------------------------------------------------------------
-    def save(self, op: ops.Save) -> list[dict]:
+    def save(self, op: ops.Save) -> list[Written]:
         fs, root = fsspec.core.url_to_fs(op.base)
         fs.makedirs(root, exist_ok=True)
         records = []
@@ -262,7 +263,7 @@ class ParameterServer:
         staged = []
         for key, spec in op.targets:
             table = self._get(key)
-            for opt_key in spec["slots"]:
+            for opt_key in spec.slots:
                 self._optimizer(opt_key)
             staged.append((table, table.stage(fs, root, spec)))
         self._staged[op.token] = staged

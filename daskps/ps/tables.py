@@ -75,11 +75,12 @@ class Table(abc.ABC):
         return sum(a.nbytes for s in self.slots.values() for a in transforms.slot_arrays(s).values())
 
     @abc.abstractmethod
-    def save(self, fs: AbstractFileSystem, root: str, tensor: str, offset: int, optimizers: Sequence[tuple[str, str]]) -> list[dict]:
+    def save(self, fs: AbstractFileSystem, root: str, tensor: str, offset: int,
+             optimizers: Sequence[tuple[str, str]]) -> list[ckpt_io.Written]:
         """Write this table (and each ``(optimizer path, optimizer key)``'s slots); return manifest records."""
 
     @abc.abstractmethod
-    def stage(self, fs: AbstractFileSystem, root: str, spec: dict) -> Staged:
+    def stage(self, fs: AbstractFileSystem, root: str, spec: ckpt_io.RestoreSpec) -> Staged:
         """Read this table's part of a checkpoint, changing nothing."""
 
     @abc.abstractmethod
@@ -166,7 +167,8 @@ class DenseTable(Table):
     def nbytes(self) -> int:
         return int(self.value.nbytes)
 
-    def save(self, fs: AbstractFileSystem, root: str, tensor: str, offset: int, optimizers: Sequence[tuple[str, str]]) -> list[dict]:
+    def save(self, fs: AbstractFileSystem, root: str, tensor: str, offset: int,
+             optimizers: Sequence[tuple[str, str]]) -> list[ckpt_io.Written]:
         states = []
         for opt_path, opt_key in optimizers:
             state = self.slots.get(opt_key)
@@ -174,7 +176,7 @@ class DenseTable(Table):
                 states.append((opt_path, state.count, transforms.slot_arrays(state)))
         return ckpt_io.write_with_slots(fs, root, tensor, offset, self.value, states)
 
-    def stage(self, fs: AbstractFileSystem, root: str, spec: dict) -> Staged:
+    def stage(self, fs: AbstractFileSystem, root: str, spec: ckpt_io.RestoreSpec) -> Staged:
         return Staged(*ckpt_io.load_target(fs, root, spec, self.value.shape, self.value.dtype))
 
     def commit(self, staged: Staged, optimizers: dict[str, Transform]) -> None:

@@ -73,13 +73,17 @@ class DaskParameterServer(ParameterServer):
         return serialized(self.execute(message))
 
 
-def check_client(client: Any, gone_too: bool = False) -> None:
-    """Refuse to go on through a closed Dask client (or, ``gone_too``, one already collected: ``None``)."""
-    if (client is None and gone_too) or (client is not None and client.status in ("closing", "closed")):
-        raise ClosedError(
-            f"the Dask client {client!r} was closed (client.close()); daskps reaches the "
-            "parameter servers through it, so make a new client and strategy"
-        )
+def check_client(client: Any) -> None:
+    """Refuse to go on through a closed Dask client."""
+    if client is not None and client.status in ("closing", "closed"):
+        raise _closed(client)
+
+
+def _closed(client: Any) -> ClosedError:
+    return ClosedError(
+        f"the Dask client {client!r} was closed (client.close()); daskps reaches the "
+        "parameter servers through it, so make a new client and strategy"
+    )
 
 
 class DaskTransport:
@@ -101,7 +105,10 @@ class DaskTransport:
     def call(self, coroutine_fn: Any, *args: Any) -> Any:
         """Run ``coroutine_fn(*args)`` on this transport's loop and wait for it."""
         if self._client is not None:
-            check_client(self.client, gone_too=True)
+            client = self.client
+            if client is None:  # collected: it was closed and dropped
+                raise _closed(client)
+            check_client(client)
         return sync(self.loop, coroutine_fn, *args)
 
     def run(self, batches: Mapping[ServerRef, Message], answers: Answers) -> dict[ServerRef, list]:

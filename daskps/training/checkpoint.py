@@ -199,8 +199,7 @@ class Checkpoint:
                 stop = offset + (v.shape[0] if v.shape else 1)
                 slots = ({o.server_key: _saved_slots(slots_of, saved[name], name, p) for p, o in optimizers.items()}
                          if t.slotted else {})
-                pieces = saved[name]["pieces"]
-                items.append((v.handle, {"start": offset, "stop": stop, "pieces": pieces, "slots": slots}))
+                items.append((v.handle, ckpt_io.RestoreSpec(offset, stop, saved[name]["pieces"], slots)))
         protocol.restore(path, items)
         manifest["restored"] = {name: [v.handle.key for v, _ in t.parts] for name, t in tensors.items()}
         return manifest
@@ -305,14 +304,15 @@ def _checked_manifest(raw: bytes, where: str) -> dict:
     return manifest
 
 
-def _tensors(records: list[dict]) -> dict[str, dict]:
+def _tensors(records: list[ckpt_io.Written]) -> dict[str, dict]:
+    """The manifest's ``tensors`` (its on-disk JSON form) from what the servers wrote."""
     out: dict[str, dict] = {}
     for rec in records:
-        t = out.setdefault(rec["tensor"], {"dtype": rec["dtype"], "pieces": [], "step": None})
-        t["pieces"].append({k: rec[k] for k in ("file", "offset", "rows", "shape")})
-        if "step" in rec:
-            t["step"] = max(t["step"] or 0, rec["step"])
-        for opt_path, n in rec.get("steps", {}).items():
+        t = out.setdefault(rec.tensor, {"dtype": rec.dtype, "pieces": [], "step": None})
+        t["pieces"].append(rec.piece)
+        if rec.step is not None:
+            t["step"] = max(t["step"] or 0, rec.step)
+        for opt_path, n in (rec.steps or {}).items():
             steps = t.setdefault("steps", {})
             steps[opt_path] = max(steps.get(opt_path, 0), n)
     for t in out.values():
@@ -378,13 +378,14 @@ def _check_optimizers_reach(tensors: dict[str, _Tensor], optimizers: dict[str, O
                     )
 
 
-def _saved_slots(slots_of: dict, entry: dict, tensor: str, opt_path: str) -> dict | None:
+def _saved_slots(slots_of: dict, entry: dict, tensor: str, opt_path: str) -> ckpt_io.SavedSlots | None:
     """What ``opt_path`` saved for ``tensor``: its update count and slot pieces (``None``: nothing)."""
     found = {slot: entry for slot, (_, entry) in slots_of.get(tensor, {}).get(opt_path, {}).items()}
     if not found:
         step = entry.get("steps", {}).get(opt_path)  # a state without slot arrays: its count alone
-        return None if step is None else {"step": step, "pieces": {}}
-    return {"step": max(t["step"] or 0 for t in found.values()), "pieces": {s: t["pieces"] for s, t in found.items()}}
+        return None if step is None else ckpt_io.SavedSlots(step, {})
+    return ckpt_io.SavedSlots(max(t["step"] or 0 for t in found.values()),
+                              {s: t["pieces"] for s, t in found.items()})
 
 
 def _written_at(fs: Any, root: str) -> float:
