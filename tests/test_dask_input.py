@@ -25,24 +25,26 @@ ROWS = 100_000
 
 def _where_and_next(iterator):
     batch = next(iterator, None)
+    read_at = time.monotonic_ns()  # a trainer runs one function at a time: this orders its reads
     if batch is None:
         time.sleep(0.05)  # a trainer that is done is slow, so the other one gets the next functions
-    return get_worker().name, batch
+    return get_worker().name, read_at, batch
 
 
 def _read_all(coordinator, it, per_round=40, rounds=40):
-    """Schedule reads until every trainer has said its data is done: ``{trainer: [batch, ...]}``."""
+    """Schedule reads until every trainer has said its data is done: ``{trainer: [batch, ...]}``,
+    each trainer's batches in the order its iterator gave them."""
     seen: dict[str, list] = {}
     finished: set[str] = set()
     for _ in range(rounds):
-        for name, batch in coordinator.fetch([coordinator.schedule(_where_and_next, args=(it,))
-                                              for _ in range(per_round)]):
+        for name, read_at, batch in coordinator.fetch([coordinator.schedule(_where_and_next, args=(it,))
+                                                       for _ in range(per_round)]):
             if batch is None:
                 finished.add(name)
             else:
-                seen.setdefault(name, []).append(batch)
+                seen.setdefault(name, []).append((read_at, batch))
         if finished == {"worker-0", "worker-1"}:
-            return seen
+            return {name: [b for _, b in sorted(reads, key=lambda r: r[0])] for name, reads in seen.items()}
     raise AssertionError(f"only {finished} reached the end")
 
 
@@ -76,9 +78,11 @@ def test_batches_are_dicts_of_numpy_columns(coordinator, frame):
 def test_a_seed_repeats_the_order(coordinator, frame):
     ds = coordinator.create_per_worker_dataset(dps.data.from_dask(frame, batch_size=1000, shuffle=True, seed=7))
     first, second = _read_all(coordinator, iter(ds)), _read_all(coordinator, iter(ds))
+    assert set(first) == set(second) == {"worker-0", "worker-1"}
     for name in first:
-        assert np.array_equal(np.concatenate([b["id"] for b in first[name]]),
-                              np.concatenate([b["id"] for b in second[name]]))
+        ids = [np.concatenate([b["id"] for b in run[name]]) for run in (first, second)]
+        assert np.array_equal(np.sort(ids[0]), np.sort(ids[1])), f"{name} read other rows the second time"
+        assert np.array_equal(ids[0], ids[1]), f"{name} read its rows in another order the second time"
 
 
 def test_array_and_labels_tuple(coordinator):
@@ -214,7 +218,7 @@ def test_a_trainer_with_nothing_to_read_ends_even_when_repeating_forever(coordin
     it = iter(coordinator.create_per_worker_dataset(dps.data.from_dask(x, batch_size=50, epochs=None)))
     seen = {}
     for _ in range(20):
-        for name, batch in coordinator.fetch([coordinator.schedule(_where_and_next, args=(it,)) for _ in range(20)]):
+        for name, _, batch in coordinator.fetch([coordinator.schedule(_where_and_next, args=(it,)) for _ in range(20)]):
             seen.setdefault(name, set()).add(batch is None)
         if len(seen) == 2:
             break
