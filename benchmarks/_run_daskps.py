@@ -37,7 +37,7 @@ def _pause():
 def _timed(coordinator, fn, args, steps: int, warmup: int, name: str = "") -> float:
     # Warm every trainer (a first batch imports code and opens connections there): work that
     # takes a while is spread over all of them.
-    pauses = [_pause] * (4 * len(coordinator.strategy._worker_names))
+    pauses = [_pause] * (4 * len(coordinator.strategy.trainer_names))
     return timed_schedule(coordinator, fn, args, steps, warmup, name, first=pauses)
 
 
@@ -45,12 +45,13 @@ def _noop():
     return None
 
 
-def run_daskps(workloads: list[str], num_ps: int, num_workers: int, steps: dict[str, int]) -> dict[str, float]:
+def run_daskps(workloads: list[str], num_ps: int, num_workers: int, steps: dict[str, int],
+               staleness: int = 0) -> dict[str, float]:
     out = {}
     with dps.LocalPSCluster(num_ps=num_ps, num_workers=num_workers) as cluster, cluster.get_client() as client:
         partitioner = dps.partitioners.MinSizePartitioner(256 << 10, max_shards=num_ps)
         with dps.ParameterServerStrategy(client, variable_partitioner=partitioner) as strategy:
-            coordinator = dps.ClusterCoordinator(strategy)
+            coordinator = dps.ClusterCoordinator(strategy, staleness=staleness)
             for name in workloads:
                 out[name] = globals()[f"_daskps_{name}"](strategy, coordinator, steps[name])
     return out

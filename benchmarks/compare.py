@@ -1,4 +1,4 @@
-"""daskps against TensorFlow's ParameterServerStrategy, Ray actors and raw Dask, side by side.
+"""daskps against TensorFlow's ParameterServerStrategy, Ray actors, PyTorch RPC and raw Dask, side by side.
 
 Four workloads (see ``_workloads.py``) on 2 parameter servers and 2 trainers
 by default: empty-function dispatch, a dense MLP, a CTR model with a sharded
@@ -8,7 +8,7 @@ daskps' own ``dense``. Each system runs in a fresh
 subprocess per round, the systems alternating, over ``--rounds`` rounds; the
 table shows the best round of each and daskps' ratio to each peer.
 
-    pip install ".[compare]"                      # tensorflow-cpu and ray
+    pip install ".[compare]"                      # tensorflow-cpu, ray and torch
     python benchmarks/compare.py                  # the table
     python benchmarks/compare.py --workers 2,4,8  # scaling: dispatch and dense per trainer count
                                                   # (dispatch: 5,000 functions; dense: 1,000 steps per trainer)
@@ -33,8 +33,8 @@ sys.path.insert(0, HERE)
 
 from _workloads import UNITS  # noqa: E402
 
-SYSTEMS = {"daskps": "daskps", "tf": "tensorflow", "ray": "ray", "dask": "distributed"}
-NAMES = {"daskps": "daskps", "tf": "TensorFlow PSS", "ray": "Ray actors", "dask": "raw Dask"}
+SYSTEMS = {"daskps": "daskps", "tf": "tensorflow", "ray": "ray", "torch": "torch", "dask": "distributed"}
+NAMES = {"daskps": "daskps", "tf": "TensorFlow PSS", "ray": "Ray actors", "torch": "PyTorch RPC", "dask": "raw Dask"}
 WORKLOADS = ["dispatch", "dense", "dense_jax", "ctr", "small"]
 ONLY_ON = {"dense_jax": ("daskps",)}  # workloads the other systems do not run
 STEPS = {"dispatch": 1000, "dense": 300, "dense_jax": 300, "ctr": 300, "small": 300}
@@ -42,16 +42,21 @@ STEPS_PER_TRAINER = {"dense": 1000}  # in the scaling mode
 SCALING_STEPS = {"dispatch": 5000}  # in the scaling mode: long enough to time on a big machine
 
 
-def run_one(system: str, workloads: list[str], num_ps: int, num_workers: int, steps: dict[str, int]) -> dict:
+def run_one(system: str, workloads: list[str], num_ps: int, num_workers: int, steps: dict[str, int],
+            staleness: int = 0) -> dict:
     """In a subprocess: run ``workloads`` on ``system`` and return rates."""
-    module = {"daskps": "_run_daskps", "dask": "_run_daskps", "tf": "_run_tf", "ray": "_run_ray"}[system]
+    module = {"daskps": "_run_daskps", "dask": "_run_daskps", "tf": "_run_tf", "ray": "_run_ray",
+              "torch": "_run_torch"}[system]
     runner = getattr(__import__(module), f"run_{system}")
+    if system == "daskps":
+        return runner(workloads, num_ps, num_workers, steps, staleness=staleness)
     return runner(workloads, num_ps, num_workers, steps)
 
 
-def _spawn(system: str, workloads: list[str], num_ps: int, num_workers: int, steps: dict, timeout: float) -> dict:
+def _spawn(system: str, workloads: list[str], num_ps: int, num_workers: int, steps: dict, timeout: float,
+           staleness: int = 0) -> dict:
     cmd = [sys.executable, __file__, "--child", system, "--ps", str(num_ps), "--workers", str(num_workers),
-           "--only", ",".join(workloads), "--steps", json.dumps(steps)]
+           "--only", ",".join(workloads), "--steps", json.dumps(steps), "--staleness", str(staleness)]
     env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -69,7 +74,7 @@ def _available(systems: list[str]) -> tuple[list[str], list[str]]:
 
 
 def compare(systems: list[str], workloads: list[str], rounds: int, num_ps: int, num_workers: int,
-            steps: dict, timeout: float, label: str = "round") -> dict[str, dict[str, float]]:
+            steps: dict, timeout: float, label: str = "round", staleness: int = 0) -> dict[str, dict[str, float]]:
     best: dict[str, dict[str, float]] = {s: {} for s in systems}
     for r in range(rounds):
         order = systems if r % 2 == 0 else systems[::-1]  # alternate, so load drifts hit all alike
@@ -78,7 +83,7 @@ def compare(systems: list[str], workloads: list[str], rounds: int, num_ps: int, 
             wanted = [w for w in wanted if w in workloads and system in ONLY_ON.get(w, (system,))]
             if not wanted:
                 continue
-            got = _spawn(system, wanted, num_ps, num_workers, steps, timeout)
+            got = _spawn(system, wanted, num_ps, num_workers, steps, timeout, staleness)
             print(f"  {label if rounds == 1 else f'round {r + 1}'} {NAMES[system]:15s} {got}", file=sys.stderr, flush=True)
             for w, rate in got.items():
                 if w != "error":
@@ -87,7 +92,7 @@ def compare(systems: list[str], workloads: list[str], rounds: int, num_ps: int, 
 
 
 def table(best: dict[str, dict[str, float]], workloads: list[str]) -> str:
-    peers = [s for s in ("tf", "ray", "dask") if s in best]
+    peers = [s for s in ("tf", "ray", "torch", "dask") if s in best]
     head = ["workload", "unit"] + [NAMES[s] for s in ["daskps"] + peers] + [f"daskps / {NAMES[p]}" for p in peers]
     rows = [head, ["---"] * len(head)]
     for w in workloads:
@@ -100,19 +105,22 @@ def table(best: dict[str, dict[str, float]], workloads: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--systems", default="daskps,tf,ray,dask")
+    parser.add_argument("--systems", default="daskps,tf,ray,torch,dask")
     parser.add_argument("--only", default=",".join(WORKLOADS), help="workloads to run")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--ps", type=int, default=2)
     parser.add_argument("--workers", default="2", help="trainers; a list (2,4,8) runs the scaling mode")
     parser.add_argument("--steps", default=None, help="JSON: steps per workload")
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--staleness", type=int, default=0,
+                        help="daskps' bounded staleness k (0: none, the default; the peers do not change)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     steps = dict(STEPS, **(json.loads(args.steps) if args.steps else {}))
     workloads = [w for w in args.only.split(",") if w]
     if args.child:
-        print("RESULT " + json.dumps(run_one(args.child, workloads, args.ps, int(args.workers), steps)), flush=True)
+        print("RESULT " + json.dumps(run_one(args.child, workloads, args.ps, int(args.workers), steps, args.staleness)),
+              flush=True)
         return 0
     systems, missing = _available([s for s in args.systems.split(",") if s])
     if "dense_jax" in workloads and importlib.util.find_spec("jax") is None:
@@ -125,8 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     counts = [int(w) for w in args.workers.split(",")]
     if len(counts) > 1:
         return _scaling(systems, counts, args, steps)
-    best = compare(systems, workloads, args.rounds, args.ps, counts[0], steps, args.timeout)
-    print(f"# {counts[0]} trainers, best of {args.rounds} rounds")
+    best = compare(systems, workloads, args.rounds, args.ps, counts[0], steps, args.timeout, staleness=args.staleness)
+    print(f"# {counts[0]} trainers, best of {args.rounds} rounds"
+          + (f"; daskps with staleness={args.staleness}" if args.staleness else ""))
     print(table(best, workloads))
     mine = best.get("daskps", {})
     if "dense" in mine and "dense_jax" in mine:

@@ -51,16 +51,18 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--ps", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--staleness", type=int, default=0, help="bounded staleness k (0: none)")
+    parser.add_argument("--idle", action="store_true", help="py-spy also samples threads that wait")
     parser.add_argument("--py-spy", default=None, metavar="DIR", help="record every process with py-spy into DIR")
     args = parser.parse_args()
     with dps.LocalPSCluster(num_ps=args.ps, num_workers=args.workers) as cluster, cluster.get_client() as client:
         partitioner = dps.partitioners.MinSizePartitioner(256 << 10, max_shards=args.ps)
         with dps.ParameterServerStrategy(client, variable_partitioner=partitioner) as strategy:
-            coordinator = dps.ClusterCoordinator(strategy)
+            coordinator = dps.ClusterCoordinator(strategy, staleness=args.staleness)
             run = getattr(_run_daskps, f"_daskps_{args.workload}")
             run(strategy, coordinator, 20)  # warm up: build datasets, connections
             pids = _pids(client)
-            spies = _start_spies(pids, args.py_spy) if args.py_spy else []
+            spies = _start_spies(pids, args.py_spy, args.idle) if args.py_spy else []
             before, start = _cpu(pids), time.perf_counter()
             rate = run(strategy, coordinator, args.steps)
             wall, after = time.perf_counter() - start, _cpu(pids)
@@ -80,11 +82,11 @@ def main() -> int:
     return 0
 
 
-def _start_spies(pids: dict[str, int], out: str) -> list[subprocess.Popen]:
+def _start_spies(pids: dict[str, int], out: str, idle: bool = False) -> list[subprocess.Popen]:
     exe = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
     os.makedirs(out, exist_ok=True)
     return [subprocess.Popen([exe, "record", "--pid", str(pid), "--rate", "200", "--format", "speedscope",
-                              "--output", os.path.join(out, f"{role}.json"), "--nonblocking"],
+                              "--output", os.path.join(out, f"{role}.json"), "--nonblocking", *(["--idle"] if idle else [])],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             for role, pid in pids.items()]
 

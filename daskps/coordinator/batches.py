@@ -54,7 +54,8 @@ INLINE_BYTES = 64 << 10
 
 
 def run_batch(strategy_blob: bytes, topic: str, batch_key: str, batch: bytes) -> dict[int, Any]:
-    """Run the pickled ``[(function id, (pickled fn, pickled (args, kwargs))), ...]`` in order; return big results.
+    """Run the pickled ``[(function id, (pickled fn, pickled (args, kwargs)), staleness), ...]`` in order;
+    return big results.
 
     Pushes are pipelined (:mod:`daskps.ps.pipeline`): a function is reported
     once its pushes have been applied, in schedule order. The scheduler's
@@ -73,12 +74,15 @@ def run_batch(strategy_blob: bytes, topic: str, batch_key: str, batch: bytes) ->
     big: dict[int, Any] = {}
     with pipeline.pipelined() as pipe:
         reporter = _Reporter(worker, topic, batch_key, pipe)
-        for i, (cid, blob) in enumerate(closures):
+        for i, (cid, blob, staleness) in enumerate(closures):
             if cid in reported:
                 continue  # ran before this task was moved here, and its result reached the coordinator
             if _cancelled(worker, batch_key):
                 break
-            pipe.function = cid
+            pipe.function, pipe.staleness = cid, staleness
+            pipeline.STALE_READS.tick(staleness)
+            if staleness and i + 1 < len(closures):
+                pipe.eager.add(cid)  # reported at once; the batch's last function waits for every push
             generation = generation_known(strategy.token)
             started = time.perf_counter()
             with running_function(cid):
@@ -94,7 +98,9 @@ def run_batch(strategy_blob: bytes, topic: str, batch_key: str, batch: bytes) ->
             # Pushes wait for the next message to their server only while the same step repeats:
             # other work next (which might take long, or wait for this result) gets them sent now.
             # Also when a report has waited REPORT_EVERY: the functions since touched no such server.
-            if pipe.pending and (following is not blob[0] or reporter.overdue()):
+            # With bounded staleness, pushes wait for a message to their server at most ``staleness`` steps.
+            if pipe.pending and (following is not blob[0] or reporter.overdue()
+                                 or (staleness and pipe.held_too_long())):
                 _settle(reporter)
         _settle(reporter, final=True)
     return big
@@ -141,8 +147,9 @@ class _Reporter:
     def send(self, final: bool = False) -> None:
         while self.waiting and self.pipe.settled(self.waiting[0][0].function):
             report, _ = self.waiting.popleft()
-            if report.function in self.pipe.errors:  # a push it made was refused: that is its error
-                report = report._replace(status=ERROR, payload=_pickled_error(self.pipe.errors[report.function]))
+            refused = self.pipe.error_for(report.function)
+            if refused is not None:  # a push it (or an eager function before it) made was refused
+                report = report._replace(status=ERROR, payload=_pickled_error(refused))
             with self.lock:
                 self.outbox.append(report)
             final = final or report.status == ERROR

@@ -37,6 +37,7 @@ import contextlib
 import functools
 import itertools
 import math
+import numbers
 import pickle
 import threading
 import time
@@ -80,13 +81,19 @@ MAX_RERUNS = 3
 class _Closure:
     """One scheduled function: its pickle, what it keeps alive, what became of it (its RemoteValue's outcome)."""
 
-    __slots__ = ("id", "blob", "kept", "outcome", "reruns", "batch", "generation")
+    __slots__ = ("id", "blob", "kept", "outcome", "reruns", "batch", "generation", "staleness")
 
-    def __init__(self, cid: int, blob: tuple[bytes, bytes], kept: list[Any], outcome: Outcome):
-        self.id, self.blob, self.kept, self.outcome = cid, blob, kept, outcome
+    def __init__(self, cid: int, blob: tuple[bytes, bytes], kept: list[Any], outcome: Outcome, staleness: int = 0):
+        self.id, self.blob, self.kept, self.outcome, self.staleness = cid, blob, kept, outcome, staleness
         self.reruns = 0
         self.batch: str | None = None  # the key of the batch it is in; None while queued
         self.generation = 0  # of the servers its trainer knew as it started (see generation_known)
+
+
+def _checked_staleness(k: Any) -> int:
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+        raise ValueError(f"staleness must be a whole number of steps >= 0 (0: none), got {k!r}")
+    return int(k)
 
 
 def _refuse_remote_values(structure: Any, arg: str) -> None:
@@ -168,7 +175,8 @@ class ClusterCoordinator:
     array(10., dtype=float32)
     """
 
-    def __new__(cls, strategy: ParameterServerStrategy, checkpoint_manager: Any = None) -> ClusterCoordinator:
+    def __new__(cls, strategy: ParameterServerStrategy, checkpoint_manager: Any = None, *,
+                staleness: int | None = None) -> ClusterCoordinator:
         if not isinstance(strategy, ParameterServerStrategy):
             raise TypeError(f"strategy must be a ParameterServerStrategy, got {type(strategy).__name__}")
         if checkpoint_manager is not None and not isinstance(checkpoint_manager, CheckpointManager):
@@ -177,6 +185,8 @@ class ClusterCoordinator:
         if strategy.client is None:
             raise RuntimeError("a ClusterCoordinator can only be made on the coordinator, not on a worker")
         strategy.check_open("ClusterCoordinator(strategy)")
+        if staleness is not None:
+            _checked_staleness(staleness)
         coordinator = strategy.coordinator
         if coordinator is None:
             coordinator = super().__new__(cls)
@@ -185,9 +195,12 @@ class ClusterCoordinator:
             strategy.on_close(coordinator._cancel_all)  # before the servers go
         if checkpoint_manager is not None:
             coordinator._set_manager(checkpoint_manager)
+        if staleness is not None:
+            coordinator.staleness = staleness
         return coordinator
 
-    def __init__(self, strategy: ParameterServerStrategy, checkpoint_manager: Any = None):
+    def __init__(self, strategy: ParameterServerStrategy, checkpoint_manager: Any = None, *,
+                 staleness: int | None = None):
         pass  # all done in __new__ (a second call returns the same coordinator)
 
     def _set_manager(self, manager: CheckpointManager) -> None:
@@ -229,6 +242,7 @@ class ClusterCoordinator:
         self._trainers = len(strategy.trainer_names)  # live trainers, counted again as work is dispatched
         self._trainers_at = time.monotonic()
         self._manager = None
+        self._staleness = 0
         self._recovery = RecoveryControl()  # lost servers: the state, and the functions to run again
         self.recoveries: list[Any] = []  # what each recovery did (daskps.coordinator.recovery.Recovered)
 
@@ -237,13 +251,33 @@ class ClusterCoordinator:
         return self._strategy
 
     @property
+    def staleness(self) -> int:
+        """The bounded staleness of functions scheduled without their own (0: none, the default).
+
+        With ``k > 0`` a function may read whole values its trainer read up to
+        ``k`` of its own steps before, and is reported without waiting for its
+        pushes (see the README's "Bounded staleness"); ``join()`` still waits
+        for every push.
+        """
+        return self._staleness
+
+    @staleness.setter
+    def staleness(self, k: int) -> None:
+        self._staleness = _checked_staleness(k)
+
+    @property
     def recovery_state(self) -> RecoveryState:
         """Whether dispatch goes on, waits for lost servers to be recovered, or halted on a failed recovery."""
         return self._recovery.state
 
     # -- scheduling ------------------------------------------------------------
-    def schedule(self, fn: Callable[..., Any], args: Any = None, kwargs: Any = None) -> RemoteValue:
+    def schedule(self, fn: Callable[..., Any], args: Any = None, kwargs: Any = None, *,
+                 staleness: int | None = None) -> RemoteValue:
         """Run ``fn(*args, **kwargs)`` on some training worker; return at once.
+
+        ``staleness`` (default: the coordinator's :attr:`staleness`, 0) lets
+        this function read values up to that many of its trainer's steps old
+        and report before its pushes are applied.
 
         Raises
         ------
@@ -262,10 +296,11 @@ class ClusterCoordinator:
         kwargs = _checked(kwargs, dict, "kwargs", "a dict", {})
         _refuse_remote_values(args, "args")
         _refuse_remote_values(kwargs, "kwargs")
+        k = self._staleness if staleness is None else _checked_staleness(staleness)
         self._strategy.check_open("coordinator.schedule")
         self._raise_pending_error()
         blob, kept = _pickle_closure(fn, tuple(args), kwargs, getattr(fn, "__name__", type(fn).__name__))
-        closure = _Closure(next(self._ids), blob, kept, Outcome(self._wait_for))
+        closure = _Closure(next(self._ids), blob, kept, Outcome(self._wait_for), k)
         with self._cond:
             self._queue.append(closure)
             self._pending[closure.id] = closure
@@ -319,7 +354,7 @@ class ClusterCoordinator:
             for closures in batches:
                 key = f"daskps-batch-{next(self._batch_ids)}-{self._strategy.token[:8]}"
                 # One bytes object: Dask walks every nested list and tuple of a task's arguments.
-                payload = pickle.dumps([(c.id, c.blob) for c in closures], protocol=5)
+                payload = pickle.dumps([(c.id, c.blob, c.staleness) for c in closures], protocol=5)
                 future = self._client.submit(
                     run_batch, self._strategy_blob, self._topic, key, payload,
                     key=key, resources={"worker": 1}, pure=False,

@@ -12,6 +12,15 @@ A function counts as finished only when every push it queued has been
 acknowledged (:meth:`Pipeline.settled`); its result is reported then, so
 TensorFlow's meaning of a finished function (its updates are applied) holds.
 
+With bounded staleness (``schedule(..., staleness=k)``, ``k > 0``) a
+function does not wait: it is reported as soon as it returns (*eager*), its
+pushes ride with a later message (at most ``k`` of this trainer's steps
+later), and its whole-value reads may be served from values this trainer
+read at most ``k`` of its own steps before (:class:`StaleReads`). The last
+function of a batch still waits for every push, so ``join()`` still means
+every push is applied; an error a push of an eager function meets is
+reported with the next function that reports.
+
 The contract, all of it here: held pushes go first in their server's next
 message, behind an ``Isolate(n)`` so that each succeeds or fails on its
 own (:meth:`Pipeline.take`); once that message is answered, or fails,
@@ -23,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -44,11 +54,25 @@ class Pipeline:
         self.owners: dict[Any, list[int]] = {}  # server -> the function that queued each pending push
         self.taken: dict[Any, list[int]] = {}  # the same, for pushes sent and not yet acknowledged
         self.errors: dict[int, BaseException] = {}
+        self.staleness = 0  # of the function running now
+        self.eager: set[int] = set()  # functions reported without waiting for their pushes
+        self.reported_early: set[int] = set()  # eager functions already reported
+        self.held_since: int | None = None  # the trainer's step when the oldest pending push was queued
 
     def defer(self, server: Any, op: ops.Op) -> None:
         """Hold ``op`` for ``server``; its arrays are copied now (the caller may reuse its buffers)."""
         self.pending.setdefault(server, []).append(_copied(op))
         self.owners.setdefault(server, []).append(self.function)  # type: ignore[arg-type]
+        if self.held_since is None:
+            self.held_since = STALE_READS.step
+
+    def held_too_long(self) -> bool:
+        """Whether the oldest pending push was queued more than ``staleness`` steps ago (then it goes now).
+
+        Reads served from :data:`STALE_READS` send nothing: the held pushes would otherwise wait
+        for the next read that does go out, ``staleness + 1`` steps after the last one.
+        """
+        return self.held_since is not None and STALE_READS.step - self.held_since > self.staleness
 
     def take(self, servers: Iterable[Any]) -> dict[Any, list[ops.Op]]:
         """The pushes held for ``servers``, to send now: each server's message starts with these."""
@@ -58,6 +82,8 @@ class Pipeline:
                 held = self.pending.pop(s)
                 out[s] = [ops.Isolate(len(held)), *held]
                 self.taken[s] = self.owners.pop(s)
+        if not self.pending:
+            self.held_since = None
         return out
 
     def acknowledge(self, answers: dict[Any, Any], error: BaseException | None = None) -> None:
@@ -84,8 +110,65 @@ class Pipeline:
                     self.errors.setdefault(function, why)
 
     def settled(self, function: int) -> bool:
-        """Whether every push ``function`` queued has been acknowledged."""
-        return not any(function in fs for fs in (*self.owners.values(), *self.taken.values()))
+        """Whether ``function`` can be reported: every push it queued was acknowledged, or it is eager."""
+        return function in self.eager or not any(function in fs for fs in (*self.owners.values(),
+                                                                           *self.taken.values()))
+
+    def error_for(self, function: int) -> BaseException | None:
+        """The error to report with ``function``: one of its pushes met, else one a push of an eager
+        function already reported met (that function's report has gone out)."""
+        if function in self.eager:
+            self.eager.discard(function)
+            self.reported_early.add(function)
+        found = self.errors.get(function)
+        for early in [f for f in self.errors if f in self.reported_early][:1]:
+            found = found or self.errors[early]
+            self.errors.setdefault(function, self.errors.pop(early))  # now this function's: the batch stops
+        return found
+
+
+class StaleReads:
+    """This trainer's steps, and the whole values it read, with the step of each read (bounded staleness).
+
+    A value read at step ``s`` may serve reads up to step ``s + k`` of a
+    function scheduled with ``staleness=k``. An update this process makes
+    to a variable (``assign`` and the like) drops its value here; gradient
+    pushes do not (that is what the mode allows).
+    """
+
+    PRUNE_EVERY = 128
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.values: dict[str, tuple[np.ndarray, int]] = {}  # key -> (value, step it was read at)
+        self.oldest_wanted = 0  # the largest staleness asked for since the last pruning
+        self.lock = threading.Lock()
+
+    def tick(self, staleness: int) -> None:
+        """A function starts on this trainer."""
+        with self.lock:
+            self.step += 1
+            self.oldest_wanted = max(self.oldest_wanted, staleness)
+            if self.step % self.PRUNE_EVERY == 0:
+                cutoff, self.oldest_wanted = self.step - self.oldest_wanted, staleness
+                self.values = {k: v for k, v in self.values.items() if v[1] >= cutoff}
+
+    def get(self, key: str, staleness: int) -> np.ndarray | None:
+        """A copy of ``key``'s value if it was read at most ``staleness`` steps ago."""
+        found = self.values.get(key)
+        if found is None or self.step - found[1] > staleness:
+            return None
+        return found[0].copy()
+
+    def keep(self, key: str, value: np.ndarray) -> None:
+        self.values[key] = (value.copy(), self.step)
+
+    def forget(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            self.values.pop(key, None)
+
+
+STALE_READS = StaleReads()
 
 
 def current() -> Pipeline | None:

@@ -144,7 +144,30 @@ def _by_server(targets: Sequence[Target], extra: Target | None = None) -> dict[S
 
 # -- operations -------------------------------------------------------------------------
 def read(items: Sequence[tuple[Target, ops.Index | None]]) -> list[np.ndarray]:
-    """``value[index]`` (the whole value for ``None``) of each ``(target, index)``: one read per server."""
+    """``value[index]`` (the whole value for ``None``) of each ``(target, index)``: one read per server.
+
+    Inside a function scheduled with bounded staleness, whole values this
+    trainer read recently enough come from :data:`pipeline.STALE_READS`.
+    """
+    pipe = pipeline.current()
+    if pipe is not None and pipe.staleness:
+        return _read_stale(items, pipe.staleness)
+    return _read(items)
+
+
+def _read_stale(items: Sequence[tuple[Target, ops.Index | None]], staleness: int) -> list[np.ndarray]:
+    cache = pipeline.STALE_READS
+    out: list[np.ndarray | None] = [None if index is not None else cache.get(t.key, staleness) for t, index in items]
+    missing = [i for i, value in enumerate(out) if value is None]
+    if missing:
+        for i, value in zip(missing, _read([items[i] for i in missing])):
+            out[i] = value
+            if items[i][1] is None:
+                cache.keep(items[i][0].key, value)
+    return cast(list[np.ndarray], out)
+
+
+def _read(items: Sequence[tuple[Target, ops.Index | None]]) -> list[np.ndarray]:
     targets = [t for t, _ in items]
     groups = _by_server(targets)
     calls: list[Call] = []
@@ -162,6 +185,8 @@ def read(items: Sequence[tuple[Target, ops.Index | None]]) -> list[np.ndarray]:
 def update(items: Sequence[tuple[Target, str, ops.Payload]]) -> None:
     """Apply checked ``(target, op, payload)`` updates: one call per server, all at once."""
     targets = [t for t, _, _ in items]
+    if pipeline.STALE_READS.values:
+        pipeline.STALE_READS.forget(t.key for t in targets)  # this process's own updates are seen at once
     calls: list[Call] = [(server, ops.Update([(items[i][0].key, items[i][1], items[i][2]) for i in idx]))
                          for server, idx in _by_server(targets).items()]
     _push(calls, _owner(targets))

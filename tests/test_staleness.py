@@ -1,0 +1,151 @@
+"""Bounded staleness (``schedule(..., staleness=k)``): its promises, on a real cluster.
+
+A counter on a server goes up by one with every gradient push (SGD, learning
+rate 1, gradient -1). Each function reads it, then pushes; it also counts its
+trainer's own steps (state a function keeps on its trainer). A read at a
+trainer's own step ``t`` has seen at least ``t - k`` of that trainer's own
+pushes: never older than ``k`` of its own steps.
+"""
+
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+from distributed import get_worker
+
+import daskps as dps
+from daskps._core.transforms import SGDState
+
+
+def _counting_step(counter, opt):
+    own: list[float] = []  # this trainer's reads, one per own step: the function is kept per trainer
+
+    def step():
+        value = float(counter.numpy())
+        own.append(value)
+        opt.apply_gradients([(np.float32(-1.0), counter)])
+        return get_worker().name, len(own) - 1, value
+
+    return step
+
+
+def _run(strategy, coordinator, n, **schedule_kw):
+    with strategy.scope():
+        counter = dps.Variable(0.0, name="counter")
+        opt = dps.optimizers.SGD(1.0)
+    step = _counting_step(counter, opt)
+    results = coordinator.fetch([coordinator.schedule(step, **schedule_kw) for _ in range(n)])
+    coordinator.join()
+    by_trainer: dict[str, list[tuple[int, float]]] = {}
+    for name, t, value in results:
+        by_trainer.setdefault(name, []).append((t, value))
+    return counter, {name: [v for _, v in sorted(reads)] for name, reads in by_trainer.items()}
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_no_read_is_older_than_k_own_steps(strategy, coordinator, k):
+    counter, reads = _run(strategy, coordinator, 300, staleness=k)
+    for name, values in reads.items():
+        for t, value in enumerate(values):
+            assert value >= t - k, f"{name} read {value} at its own step {t}, more than {k} steps old"
+    # The mode does something: some trainer read the same value at two own steps in a row, its own
+    # push in between unseen (with k=0 a trainer's reads always go up).
+    assert any(a == b for values in reads.values() for a, b in zip(values, values[1:]))
+    assert counter.numpy() == 300  # every push applied by join()
+
+
+@pytest.mark.parametrize("how", ["default", "explicit"])
+def test_k0_reads_see_every_own_push(strategy, coordinator, how):
+    counter, reads = _run(strategy, coordinator, 200, **({"staleness": 0} if how == "explicit" else {}))
+    for name, values in reads.items():
+        assert all(b > a for a, b in zip(values, values[1:])), f"{name} missed an own push"
+        assert all(value >= t for t, value in enumerate(values))
+    assert counter.numpy() == 200
+
+
+def test_the_coordinators_staleness_is_the_default_and_schedule_overrides_it(strategy, coordinator):
+    coordinator.staleness = 8
+    assert dps.ClusterCoordinator(strategy).staleness == 8
+    _, stale = _run(strategy, coordinator, 200)
+    assert any(a == b for values in stale.values() for a, b in zip(values, values[1:]))
+    _, fresh = _run(strategy, coordinator, 200, staleness=0)
+    for values in fresh.values():
+        assert all(b > a for a, b in zip(values, values[1:]))
+    assert dps.ClusterCoordinator(strategy, staleness=0).staleness == 0
+
+
+def test_every_push_is_applied_by_join(strategy, coordinator):
+    with strategy.scope():
+        w = dps.Variable(np.zeros(1000, np.float32), name="w")
+        big = dps.Variable(np.zeros(4_000_000, np.float32), name="big")  # its push takes a while to arrive
+        opt = dps.optimizers.SGD(0.5)
+
+    def step(last):
+        w.numpy()
+        opt.apply_gradients([(np.full(1000, -2.0, np.float32), w)])
+        if last:
+            opt.apply_gradients([(np.full(4_000_000, -2.0, np.float32), big)])
+
+    for r in range(3):  # join after join: nothing left behind in between
+        for i in range(97):
+            coordinator.schedule(step, args=(i == 96,), staleness=8)
+        coordinator.join()
+        assert big.numpy()[::100_000].tolist() == [r + 1.0] * 40  # read at once after join
+    np.testing.assert_array_equal(w.numpy(), np.full(1000, 3 * 97 * 1.0, np.float32))
+
+
+def test_an_own_assign_is_seen_at_once(strategy, coordinator):
+    with strategy.scope():
+        v = dps.Variable(np.zeros(3, np.float32), name="v")
+
+    def step(i):
+        v.numpy()  # cached
+        v.assign(np.full(3, i, np.float32))
+        return float(v.numpy()[0])
+
+    got = coordinator.fetch([coordinator.schedule(step, args=(i,), staleness=8) for i in range(40)])
+    assert got == [float(i) for i in range(40)]
+
+
+class _Picky(NamedTuple):
+    """SGD that refuses negative gradients, on the server (the client cannot know)."""
+
+    learning_rate: float = 1.0
+
+    def init(self, param):
+        return SGDState(0, None)
+
+    def update(self, grad, state, param):
+        if np.any(grad < 0):
+            raise ValueError("negative gradient refused")
+        return grad * -param.dtype.type(self.learning_rate), SGDState(state.count + 1)
+
+
+def test_a_push_the_server_refuses_after_its_function_reported_fails_join(strategy, coordinator):
+    with strategy.scope():
+        w = dps.Variable(np.zeros(4, np.float32), name="w")
+        opt = dps.optimizers.Optimizer(_Picky(), name="picky")
+
+    def step(g):
+        w.numpy()
+        opt.apply_gradients([(np.full(4, g, np.float32), w)])
+
+    rvs = [coordinator.schedule(step, args=(-1.0 if i == 3 else 1.0,), staleness=4) for i in range(30)]
+    with pytest.raises(ValueError, match="negative gradient refused"):
+        coordinator.join()
+    assert sum(rv.status == "error" for rv in rvs) == 1  # one function carries it (4, or 3 if last in its batch)
+    coordinator.join()  # raised once; scheduling works again
+    assert coordinator.schedule(lambda: 1, staleness=4).fetch() == 1
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2", None])
+def test_bad_staleness_is_refused_naming_it(strategy, coordinator, bad):
+    if bad is not None:
+        with pytest.raises(ValueError, match="staleness"):
+            coordinator.schedule(lambda: 1, staleness=bad)
+        with pytest.raises(ValueError, match="staleness"):
+            dps.ClusterCoordinator(strategy, staleness=bad)
+        with pytest.raises(ValueError, match="staleness"):
+            coordinator.staleness = bad
+    assert coordinator.staleness == 0
+    assert coordinator.summary()["scheduled"] == 0
