@@ -36,7 +36,7 @@ from _workloads import BATCH, DIM, FIELDS, ctr_grads, dense_grads, dense_init  #
 import daskps as dps  # noqa: E402
 
 IDS = 1_000  # per field
-LR = {"dense": 0.1, "ctr": 0.5}
+LR = {"dense": 0.1, "ctr": 2.0}
 HELD_OUT = 4096
 CYCLE = 32
 
@@ -86,8 +86,8 @@ def _run(strategy, coordinator, kind: str, k: int, steps: int) -> tuple[float, f
                 return loss
         else:
             rng = np.random.default_rng(0)
-            table = dps.Variable((rng.normal(size=(FIELDS * IDS, DIM)) * 0.01).astype(np.float32), name="table")
-            w = dps.Variable(np.full((FIELDS * DIM, 1), 0.01, np.float32), name="w")
+            table = dps.Variable((rng.normal(size=(FIELDS * IDS, DIM)) * 0.1).astype(np.float32), name="table")
+            w = dps.Variable((rng.normal(size=(FIELDS * DIM, 1)) * 0.1).astype(np.float32), name="w")
 
             def step(it):
                 ids, y = next(it)

@@ -138,8 +138,13 @@ def _pickle_closure(fn: Callable[..., Any], args: tuple, kwargs: dict, name: str
         fn_blob, fn_kept = _pickle(fn, f"the function {name!r}")
         with contextlib.suppress(TypeError):
             _PICKLED_FUNCTIONS[fn] = (fn_blob, fn_kept)
+    if not args and not kwargs:  # the common step without arguments: nothing to pickle
+        return (fn_blob, _NO_ARGUMENTS), fn_kept
     args_blob, args_kept = _pickle((args, kwargs), f"the arguments of {name!r}")
     return (fn_blob, args_blob), fn_kept + args_kept
+
+
+_NO_ARGUMENTS = cloudpickle.dumps(((), {}))
 
 
 class ClusterCoordinator:
