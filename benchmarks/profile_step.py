@@ -58,7 +58,7 @@ def main() -> int:
     with dps.LocalPSCluster(num_ps=args.ps, num_workers=args.workers) as cluster, cluster.get_client() as client:
         partitioner = dps.partitioners.MinSizePartitioner(256 << 10, max_shards=args.ps)
         with dps.ParameterServerStrategy(client, variable_partitioner=partitioner) as strategy:
-            coordinator = dps.ClusterCoordinator(strategy, staleness=args.staleness)
+            coordinator = dps.ClusterCoordinator(strategy, **({"staleness": args.staleness} if args.staleness else {}))
             run = getattr(_run_daskps, f"_daskps_{args.workload}")
             run(strategy, coordinator, 20)  # warm up: build datasets, connections
             pids = _pids(client)
