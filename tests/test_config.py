@@ -27,6 +27,7 @@ EXPECTED = {
     "daskps.display-timeout": "1s",
     "daskps.progress-bytes": 256 * 2**20,
     "daskps.large-variable-elements": 1e9,
+    "daskps.worker-mmap-threshold": "32MiB",
     "daskps.data.shuffle-buffer-rows": 10_000,
 }
 
