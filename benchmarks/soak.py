@@ -53,7 +53,8 @@ def _cluster(tmp: str) -> tuple[list[subprocess.Popen], str]:
     address = json.load(open(sched_file))["address"]
     for name, resource in (("ps-0", "ps"), ("ps-1", "ps"), ("worker-0", "worker"), ("worker-1", "worker")):
         procs.append(_start(["distributed.cli.dask_worker", address, "--host", "127.0.0.1", "--nthreads", "1",
-                             "--resources", f"{resource}=1", "--name", name, "--no-dashboard"]))
+                             "--resources", f"{resource}=1", "--name", name, "--no-dashboard",
+                             "--dashboard-address", "127.0.0.1:0"]))  # its HTTP server listens anyway
     return procs, address
 
 

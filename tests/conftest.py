@@ -160,7 +160,8 @@ def dask_cli_cluster(tmp_path, resources, scheduler_args=(), worker_env=None):
         address = json.loads(sched_file.read_text())["address"]
         for resource in resources:
             procs.append(_start(["distributed.cli.dask_worker", address, "--host", "127.0.0.1",
-                                 "--nthreads", "1", "--resources", resource, "--no-dashboard"],
+                                 "--nthreads", "1", "--resources", resource, "--no-dashboard",
+                                 "--dashboard-address", "127.0.0.1:0"],  # its HTTP server stays up
                                 {**env, **(worker_env or {})}))
         with Client(address) as client:
             client.wait_for_workers(len(resources), timeout=60)

@@ -6,6 +6,7 @@ import sys
 import urllib.request
 
 import numpy as np
+import psutil
 import pytest
 
 import daskps as dps
@@ -111,3 +112,37 @@ def test_a_script_without_the_main_guard_gets_one_clear_error(tmp_path):
     assert out.stderr.count("Traceback") == 1 and "Nanny" not in out.stderr, out.stderr
     assert len(out.stderr.splitlines()) <= 12, out.stderr
     assert not list(tmp_path.glob("daskps-unguarded-*")), "the mark is left behind"
+
+
+def _listening(pids):
+    """``(pid, ip)`` of every TCP socket these processes listen on."""
+    out = []
+    for pid in pids:
+        for conn in psutil.Process(pid).net_connections(kind="tcp"):
+            if conn.status == psutil.CONN_LISTEN:
+                out.append((pid, conn.laddr.ip))
+    return out
+
+
+def _everything_listens_on_loopback(client):
+    strategy = dps.ParameterServerStrategy(client)
+    with strategy.scope():
+        v = dps.Variable(np.zeros(3, np.float32))
+    coordinator = dps.ClusterCoordinator(strategy)
+    coordinator.schedule(lambda: v.assign_add(np.ones(3, np.float32))).fetch()  # channels open, servers up
+    pids = set(client.run(os.getpid).values()) | {client.run_on_scheduler(os.getpid)}
+    pids |= {p.ppid() for p in map(psutil.Process, list(pids))} - {os.getpid(), 1}  # nannies
+    found = _listening(pids)
+    assert len({pid for pid, _ in found}) >= 3, found  # the check saw the servers
+    assert {ip for _, ip in found} == {"127.0.0.1"}, found
+    strategy.close()
+
+
+def test_a_local_cluster_listens_on_loopback_only(cluster, client):
+    _everything_listens_on_loopback(client)
+
+
+@pytest.mark.timeout(180)
+def test_the_cli_recipe_listens_on_loopback_only(tmp_path):
+    with dask_cli_cluster(tmp_path, ["ps=1", "worker=1"]) as client:
+        _everything_listens_on_loopback(client)

@@ -135,7 +135,7 @@ def test_worker_that_joins_later_builds_its_own(fresh_cluster, tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "distributed.cli.dask_worker", cluster.scheduler_address,
          "--host", "127.0.0.1", "--nthreads", "1", "--resources", "worker=1",
-         "--name", "late-worker", "--no-dashboard", "--no-nanny"],
+         "--name", "late-worker", "--no-dashboard", "--dashboard-address", "127.0.0.1:0", "--no-nanny"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
