@@ -72,7 +72,7 @@ def run_batch(strategy_blob: bytes, topic: str, batch_key: str, batch: bytes) ->
     closures = pickle.loads(batch)
     reported = set(answer["reported"])
     big: dict[int, Any] = {}
-    with pipeline.pipelined() as pipe:
+    with pipeline.pipelined() as pipe, scheduled_function(), strategy.scope():
         reporter = _Reporter(worker, topic, batch_key, pipe)
         for i, (cid, blob, staleness) in enumerate(closures):
             if cid in reported:
@@ -209,8 +209,7 @@ def _run_one(strategy: Any, blob: tuple[bytes, bytes]) -> tuple[str, bytes | Non
                 local = lambda x: x.on_worker(index) if type(x) is PerWorkerValues else x  # noqa: E731
                 args, kwargs = map_structure(local, args), map_structure(local, kwargs)
             try:
-                with scheduled_function(), strategy.scope():
-                    value = fn(*args, **kwargs)
+                value = fn(*args, **kwargs)  # inside the strategy's scope, entered once per batch
             finally:
                 del fn, args, kwargs
     except StopIteration as exc:  # an input's end, uncaught: TensorFlow's OutOfRangeError
@@ -223,6 +222,8 @@ def _run_one(strategy: Any, blob: tuple[bytes, bytes]) -> tuple[str, bytes | Non
     refs.keep_escaped(made)
     if failed is not None:
         return ERROR, failed, None
+    if value is None:
+        return OK, _NONE, None
     try:
         payload = dumps(value)
     except Exception as exc:
@@ -230,6 +231,9 @@ def _run_one(strategy: Any, blob: tuple[bytes, bytes]) -> tuple[str, bytes | Non
     if len(payload) > INLINE_BYTES:
         return BIG, None, value
     return OK, payload, None
+
+
+_NONE = dumps(None)
 
 
 def _pickled_error(exc: BaseException) -> bytes:

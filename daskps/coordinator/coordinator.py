@@ -336,6 +336,9 @@ class ClusterCoordinator:
             useful = max(1, min(trainers, math.ceil(work / BATCH_SECONDS)))
             size = min(max(1, int(BATCH_SECONDS / per)), math.ceil(queued / useful))
         size = min(size, int(dask.config.get("daskps.max-batch")))
+        # Batches capped at daskps.max-batch: the work is more than one batch per trainer can carry, so
+        # spread it (short functions would otherwise wait for a round trip per batch on one trainer).
+        useful = min(trainers, max(useful, math.ceil(queued / size)))
         if in_flight >= 2 * useful or (in_flight >= useful and queued < 2 * useful * size):
             return []
         return [self._queue.popleft() for _ in range(min(size, queued))]
