@@ -42,3 +42,27 @@ def test_an_oserror_raised_by_the_server_is_its_answer_not_a_lost_server(strateg
         protocol.save(str(blocker / "ckpt"), [(v._ref, "v", 0, [])])
     assert not isinstance(raised.value, PSUnavailableError), raised.value
     assert v.numpy().tolist() == [1.0]  # and the channel still answers in step
+
+
+def test_the_channel_format_keeps_every_array_as_it_was():
+    """Small numeric arrays share one frame (``wire.pack_grouped``); everything else pickles as usual."""
+    from daskps._core import wire
+
+    cases = [np.arange(3, dtype=np.int8), np.arange(5.0), np.arange(12.0).reshape(3, 4).T, np.zeros((0, 3)),
+             np.array(5.0), np.arange(4, dtype=">f4"), np.zeros(3, [("a", "i4"), ("b", "f8")]),
+             np.array(["x", None], object), np.zeros(20_000), np.arange(6, dtype=np.complex64), np.ones(3, bool),
+             np.arange(10.0)[::2], np.float32(2.5)]
+    message = ["op", cases, {"again": cases[1]}]
+    for by_value in (False, True):
+        frames = [bytearray(f) for f in wire.pack_grouped(message, by_value)]  # as read from a socket
+        assert len(frames) == 4  # header, table, the small arrays' data, the one large array
+        out = wire.unpack_grouped(frames)
+        for sent, got in zip(cases, out[1]):
+            assert type(got) is type(sent) and got.dtype == sent.dtype and got.shape == sent.shape
+            if sent.dtype.kind != "O":
+                np.testing.assert_array_equal(got, sent)
+            if isinstance(sent, np.ndarray) and sent.dtype.kind in "biufc":
+                assert got.flags.writeable and got.flags.aligned
+        assert out[2]["again"] is out[1][1]  # one array sent twice is one array
+        out[1][1][0] = 99.0
+        assert out[1][0][0] == 0 and out[1][2][0, 0] == 0  # views of one buffer, apart

@@ -119,7 +119,7 @@ class _Serving(asyncio.BufferedProtocol):
             return
         try:
             # Reads may hand over the server's own arrays: _write sends or copies them before anything else runs.
-            answer: tuple = ("ok", server.execute(wire.unpack(frames), shared_reads=True))
+            answer: tuple = ("ok", server.execute(wire.unpack_grouped(frames), shared_reads=True))
         except Exception as exc:
             answer = ("error", exc)
         self._write(_framed(_pack_answer(answer)))
@@ -162,9 +162,9 @@ def _framed(frames: list) -> list:
 
 def _pack_answer(answer: tuple) -> list:
     try:
-        return wire.pack(answer)
+        return wire.pack_grouped(answer)
     except Exception as exc:  # an exception that does not pickle
-        return wire.pack(("error", RuntimeError(f"{type(answer[1]).__name__}: {answer[1]}; ({exc})")))
+        return wire.pack_grouped(("error", RuntimeError(f"{type(answer[1]).__name__}: {answer[1]}; ({exc})")))
 
 
 # -- the caller's end ----------------------------------------------------------------------------
@@ -194,7 +194,7 @@ class Channel:
         return self._sock
 
     def send(self, ops: Sequence[object], by_value: bool = False) -> None:
-        parts = _framed(wire.pack(ops, by_value))
+        parts = _framed(wire.pack_grouped(ops, by_value))
         try:
             _send_all(self._connected(), [memoryview(p).cast("B") for p in parts])
         except OSError as exc:
@@ -210,7 +210,7 @@ class Channel:
             sock = self._connected()
             count = _COUNT.unpack(_receive(sock, 8))[0]
             sizes = struct.unpack(f"!{count}Q", _receive(sock, 8 * count))
-            status, value = wire.unpack([_receive(sock, n) for n in sizes])
+            status, value = wire.unpack_grouped([_receive(sock, n) for n in sizes])
         except OSError as exc:
             self.close()
             raise ChannelError(f"receiving from {self.address} failed: {exc}") from exc
