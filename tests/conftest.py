@@ -9,7 +9,9 @@ import signal
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
+import numpy as np
 import pytest
 from distributed import Client
 
@@ -18,6 +20,7 @@ from distributed import Client
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
 import daskps as dps
+from daskps._core.transforms import SGDState
 from daskps.distribute.cluster import cluster_workers
 
 # tests/data holds generated fixtures and the script (needing TensorFlow) that makes them.
@@ -171,3 +174,17 @@ def dask_cli_cluster(tmp_path, resources, scheduler_args=(), worker_env=None):
             p.terminate()
         for p in procs:
             p.wait(timeout=30)
+
+
+class PickySGD(NamedTuple):
+    """SGD that refuses negative gradients on the server (the client cannot know): a push the server refuses."""
+
+    learning_rate: float = 1.0
+
+    def init(self, param):
+        return SGDState(0, None)
+
+    def update(self, grad, state, param):
+        if np.any(grad < 0):
+            raise ValueError("negative gradient refused")
+        return grad * -param.dtype.type(self.learning_rate), SGDState(state.count + 1)

@@ -4,16 +4,14 @@ import os
 import signal
 import threading
 import time
-from typing import NamedTuple
 
 import numpy as np
 import pytest
 from distributed import Event, Variable
 
 import daskps as dps
-from daskps._core.transforms import SGDState
 
-from .conftest import kill_worker, wait_for_worker
+from .conftest import PickySGD, kill_worker, wait_for_worker
 
 
 def _boom():
@@ -61,20 +59,9 @@ def test_fetch_after_a_failed_function_of_the_same_batch_does_not_hang(coordinat
 
 
 def test_a_refused_push_fails_only_its_own_function(strategy, coordinator):
-    class Picky(NamedTuple):  # refuses negative gradients on the server
-        learning_rate: float = 1.0
-
-        def init(self, param):
-            return SGDState(0, None)
-
-        def update(self, grad, state, param):
-            if np.any(grad < 0):
-                raise ValueError("negative gradient refused")
-            return grad * -param.dtype.type(self.learning_rate), SGDState(state.count + 1)
-
     with strategy.scope():
         v = dps.Variable(np.zeros(2, np.float32), name="picky_v")
-        opt = dps.optimizers.Optimizer(Picky(), name="picky")
+        opt = dps.optimizers.Optimizer(PickySGD(), name="picky")
 
     def push(g):
         opt.apply_gradients([(np.full(2, g, np.float32), v)])

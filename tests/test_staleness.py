@@ -7,14 +7,13 @@ trainer's own step ``t`` has seen at least ``t - k`` of that trainer's own
 pushes: never older than ``k`` of its own steps.
 """
 
-from typing import NamedTuple
-
 import numpy as np
 import pytest
 from distributed import get_worker
 
 import daskps as dps
-from daskps._core.transforms import SGDState
+
+from .conftest import PickySGD
 
 
 def _counting_step(counter, opt):
@@ -107,24 +106,10 @@ def test_an_own_assign_is_seen_at_once(strategy, coordinator):
     assert got == [float(i) for i in range(40)]
 
 
-class _Picky(NamedTuple):
-    """SGD that refuses negative gradients, on the server (the client cannot know)."""
-
-    learning_rate: float = 1.0
-
-    def init(self, param):
-        return SGDState(0, None)
-
-    def update(self, grad, state, param):
-        if np.any(grad < 0):
-            raise ValueError("negative gradient refused")
-        return grad * -param.dtype.type(self.learning_rate), SGDState(state.count + 1)
-
-
 def test_a_push_the_server_refuses_after_its_function_reported_fails_join(strategy, coordinator):
     with strategy.scope():
         w = dps.Variable(np.zeros(4, np.float32), name="w")
-        opt = dps.optimizers.Optimizer(_Picky(), name="picky")
+        opt = dps.optimizers.Optimizer(PickySGD(), name="picky")
 
     def step(g):
         w.numpy()
