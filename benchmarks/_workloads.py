@@ -57,6 +57,25 @@ def dense_grads(w1, b1, w2, b2, x, y):
     return loss, (x.T @ gh, gh.sum(axis=0), gw2, gb2)
 
 
+MODEL_CPU = [0.0, 0]  # CPU seconds spent in the model's maths in this process, and calls (profile_step.py)
+
+
+def counted(fn):
+    """``fn``, adding the CPU time of this thread spent in it to ``MODEL_CPU`` of the process it runs in."""
+
+    def run(*args):
+        import _workloads  # this process's module, wherever the function was unpickled
+
+        start = time.thread_time()
+        try:
+            return fn(*args)
+        finally:
+            _workloads.MODEL_CPU[0] += time.thread_time() - start
+            _workloads.MODEL_CPU[1] += 1
+
+    return run
+
+
 def dense_jax_grad():
     """The MLP's ``(loss, grads) = f(params, x, y)`` as one jitted JAX function; ``params`` a dict as ``dense_init``'s."""
     import jax

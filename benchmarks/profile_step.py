@@ -24,6 +24,7 @@ import psutil
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _run_daskps  # noqa: E402
+import _workloads  # noqa: E402
 
 import daskps as dps  # noqa: E402
 from daskps.distribute.cluster import cluster_workers  # noqa: E402
@@ -59,13 +60,17 @@ def main() -> int:
         partitioner = dps.partitioners.MinSizePartitioner(256 << 10, max_shards=args.ps)
         with dps.ParameterServerStrategy(client, variable_partitioner=partitioner) as strategy:
             coordinator = dps.ClusterCoordinator(strategy, **({"staleness": args.staleness} if args.staleness else {}))
+            if args.workload == "dense":  # count the model's own CPU on the trainers
+                _run_daskps.dense_grads = _workloads.counted(_workloads.dense_grads)
             run = getattr(_run_daskps, f"_daskps_{args.workload}")
             run(strategy, coordinator, 20)  # warm up: build datasets, connections
             pids = _pids(client)
             spies = _start_spies(pids, args.py_spy, args.idle) if args.py_spy else []
+            model_before = client.run(_model_cpu)
             before, start = _cpu(pids), time.perf_counter()
             rate = run(strategy, coordinator, args.steps)
             wall, after = time.perf_counter() - start, _cpu(pids)
+            model = {a: (c[0] - model_before[a][0], c[1] - model_before[a][1]) for a, c in client.run(_model_cpu).items()}
             for spy in spies:
                 spy.send_signal(2)
             for spy in spies:
@@ -79,7 +84,18 @@ def main() -> int:
         label = role + (" (+scheduler)" if role == "coordinator" and "scheduler" not in pids else "")
         print(f"  {label:26s} {ms:7.2f} ms CPU per step")
     print(f"  {'all':26s} {total:7.2f} ms CPU per step ({os.cpu_count()} cores give {os.cpu_count() * 1e3 * wall / steps:.2f})")
+    model_seconds, model_calls = sum(m[0] for m in model.values()), sum(m[1] for m in model.values())
+    if model_calls:
+        trainers = sum(after[r] - before[r] for r in pids if r.startswith("worker-"))
+        own = 1e3 * trainers / model_calls  # CPU per trainer step (a trainer's own step), all its threads
+        inside = 1e3 * model_seconds / model_calls
+        print(f"  per trainer step: {own:.2f} ms CPU, of which the model's maths {inside:.2f} ms, "
+              f"outside it {own - inside:.2f} ms ({model_calls} steps timed)")
     return 0
+
+
+def _model_cpu() -> tuple[float, int]:
+    return tuple(_workloads.MODEL_CPU)  # type: ignore[return-value]
 
 
 def _start_spies(pids: dict[str, int], out: str, idle: bool = False) -> list[subprocess.Popen]:
