@@ -37,7 +37,7 @@ SYSTEMS = {"daskps": "daskps", "tf": "tensorflow", "ray": "ray", "torch": "torch
 NAMES = {"daskps": "daskps", "tf": "TensorFlow PSS", "ray": "Ray actors", "torch": "PyTorch RPC", "dask": "raw Dask"}
 WORKLOADS = ["dispatch", "dense", "dense_jax", "ctr", "small"]
 ONLY_ON = {"dense_jax": ("daskps",)}  # workloads the other systems do not run
-STEPS = {"dispatch": 1000, "dense": 300, "dense_jax": 300, "ctr": 300, "small": 300}
+STEPS = {"dispatch": 1000, "dense": 1000, "dense_jax": 1000, "ctr": 1000, "small": 1000}  # long enough for a steady state
 STEPS_PER_TRAINER = {"dense": 1000}  # in the scaling mode
 SCALING_STEPS = {"dispatch": 5000}  # in the scaling mode: long enough to time on a big machine
 
