@@ -7,13 +7,15 @@ trainer's own step ``t`` has seen at least ``t - k`` of that trainer's own
 pushes: never older than ``k`` of its own steps.
 """
 
+import time
+
 import numpy as np
 import pytest
 from distributed import get_worker
 
 import daskps as dps
 
-from .conftest import PickySGD
+from .conftest import PickySGD, kill_worker, wait_for_worker
 
 
 def _counting_step(counter, opt):
@@ -134,3 +136,33 @@ def test_bad_staleness_is_refused_naming_it(strategy, coordinator, bad):
             coordinator.staleness = bad
     assert coordinator.staleness == 0
     assert coordinator.summary()["scheduled"] == 0
+
+
+@pytest.mark.timeout(180)
+def test_a_trainer_killed_loses_at_most_k_plus_one_steps_of_pushes(fresh_cluster):
+    """Each function ``i`` adds 1 to row ``i`` (a sparse push). A trainer SIGKILLed mid-run takes with it
+    the pushes it held for functions that had reported; functions that had not reported run again."""
+    cluster, client = fresh_cluster
+    strategy = dps.ParameterServerStrategy(client)
+    coordinator = dps.ClusterCoordinator(strategy, staleness=4)
+    n = 200
+    with strategy.scope():
+        marks = dps.Variable(np.zeros((n, 1), np.float32), name="marks")
+        opt = dps.optimizers.SGD(1.0)
+
+    def step(i):
+        marks.numpy()  # a whole-value read: served stale most steps, so pushes are held
+        time.sleep(0.01)
+        opt.apply_gradients([(dps.IndexedSlices(-np.ones((1, 1), np.float32), np.array([i])), marks)])
+
+    rvs = [coordinator.schedule(step, args=(i,)) for i in range(n)]
+    while coordinator.summary()["done"] < 40:
+        time.sleep(0.01)
+    old = kill_worker(client, "worker-1")
+    assert coordinator.summary()["done"] < n  # killed mid-run
+    coordinator.join()
+    assert all(rv.fetch() is None for rv in rvs)
+    applied = marks.numpy()[:, 0]
+    assert (applied >= 0).all()
+    assert (applied == 0).sum() <= 4 + 1, np.flatnonzero(applied == 0)  # at most k + 1 steps' pushes lost
+    wait_for_worker(client, "worker-1", old)
