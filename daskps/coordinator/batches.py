@@ -79,10 +79,8 @@ def run_batch(strategy_blob: bytes, topic: str, batch_key: str, batch: bytes) ->
                 continue  # ran before this task was moved here, and its result reached the coordinator
             if _cancelled(worker, batch_key):
                 break
-            pipe.function, pipe.staleness = cid, staleness
-            pipeline.STALE_READS.tick(staleness)
-            if staleness and i + 1 < len(closures):
-                pipe.eager.add(cid)  # reported at once; the batch's last function waits for every push
+            # With staleness, reported at once; the batch's last function waits for every push.
+            pipe.start(cid, staleness, eager=bool(staleness) and i + 1 < len(closures))
             generation = generation_known(strategy.token)
             started = time.perf_counter()
             with running_function(cid):

@@ -16,7 +16,7 @@ With bounded staleness (``schedule(..., staleness=k)``, ``k > 0``) a
 function does not wait: it is reported as soon as it returns (*eager*), its
 pushes ride with a later message (at most ``k`` of this trainer's steps
 later), and its whole-value reads may be served from values this trainer
-read at most ``k`` of its own steps before (:class:`StaleReads`). The last
+read at most ``k`` steps before in the same batch (:class:`StaleReads`). The last
 function of a batch still waits for every push, so ``join()`` still means
 every push is applied; an error a push of an eager function meets is
 reported with the next function that reports.
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -57,22 +56,30 @@ class Pipeline:
         self.staleness = 0  # of the function running now
         self.eager: set[int] = set()  # functions reported without waiting for their pushes
         self.reported_early: set[int] = set()  # eager functions already reported
-        self.held_since: int | None = None  # the trainer's step when the oldest pending push was queued
+        self.held_since: int | None = None  # the step when the oldest pending push was queued
+        self.reads = StaleReads()  # this batch's steps and the values they read (bounded staleness)
 
     def defer(self, server: Any, op: ops.Op) -> None:
         """Hold ``op`` for ``server``; its arrays are copied now (the caller may reuse its buffers)."""
         self.pending.setdefault(server, []).append(_copied(op))
         self.owners.setdefault(server, []).append(self.function)  # type: ignore[arg-type]
         if self.held_since is None:
-            self.held_since = STALE_READS.step
+            self.held_since = self.reads.step
 
     def held_too_long(self) -> bool:
         """Whether the oldest pending push was queued more than ``staleness`` steps ago (then it goes now).
 
-        Reads served from :data:`STALE_READS` send nothing: the held pushes would otherwise wait
+        Reads served from :attr:`reads` send nothing: the held pushes would otherwise wait
         for the next read that does go out, ``staleness + 1`` steps after the last one.
         """
-        return self.held_since is not None and STALE_READS.step - self.held_since > self.staleness
+        return self.held_since is not None and self.reads.step - self.held_since > self.staleness
+
+    def start(self, function: int, staleness: int, eager: bool) -> None:
+        """Function ``function`` starts: a new step; ``eager``: it reports without waiting for its pushes."""
+        self.function, self.staleness = function, staleness
+        self.reads.step += 1
+        if eager:
+            self.eager.add(function)
 
     def take(self, servers: Iterable[Any]) -> dict[Any, list[ops.Op]]:
         """The pushes held for ``servers``, to send now: each server's message starts with these."""
@@ -128,30 +135,18 @@ class Pipeline:
 
 
 class StaleReads:
-    """This trainer's steps, and the whole values it read, with the step of each read (bounded staleness).
+    """This batch's steps on the trainer, and the whole values they read, with the step of each read.
 
     A value read at step ``s`` may serve reads up to step ``s + k`` of a
-    function scheduled with ``staleness=k``. An update this process makes
-    to a variable (``assign`` and the like) drops its value here; gradient
-    pushes do not (that is what the mode allows).
+    function scheduled with ``staleness=k``. An update this trainer makes to
+    a variable (``assign`` and the like) drops its value here; gradient
+    pushes do not (that is what the mode allows). One per batch: nothing
+    outlives the batch, so a trainer holds no copies once it is idle.
     """
-
-    PRUNE_EVERY = 128
 
     def __init__(self) -> None:
         self.step = 0
         self.values: dict[str, tuple[np.ndarray, int]] = {}  # key -> (value, step it was read at)
-        self.oldest_wanted = 0  # the largest staleness asked for since the last pruning
-        self.lock = threading.Lock()
-
-    def tick(self, staleness: int) -> None:
-        """A function starts on this trainer."""
-        with self.lock:
-            self.step += 1
-            self.oldest_wanted = max(self.oldest_wanted, staleness)
-            if self.step % self.PRUNE_EVERY == 0:
-                cutoff, self.oldest_wanted = self.step - self.oldest_wanted, staleness
-                self.values = {k: v for k, v in self.values.items() if v[1] >= cutoff}
 
     def get(self, key: str, staleness: int) -> np.ndarray | None:
         """A copy of ``key``'s value if it was read at most ``staleness`` steps ago."""
@@ -166,9 +161,6 @@ class StaleReads:
     def forget(self, keys: Iterable[str]) -> None:
         for key in keys:
             self.values.pop(key, None)
-
-
-STALE_READS = StaleReads()
 
 
 def current() -> Pipeline | None:

@@ -147,16 +147,16 @@ def read(items: Sequence[tuple[Target, ops.Index | None]]) -> list[np.ndarray]:
     """``value[index]`` (the whole value for ``None``) of each ``(target, index)``: one read per server.
 
     Inside a function scheduled with bounded staleness, whole values this
-    trainer read recently enough come from :data:`pipeline.STALE_READS`.
+    trainer read recently enough in the same batch come from ``pipeline.current().reads``.
     """
     pipe = pipeline.current()
     if pipe is not None and pipe.staleness:
-        return _read_stale(items, pipe.staleness)
+        return _read_stale(items, pipe.reads, pipe.staleness)
     return _read(items)
 
 
-def _read_stale(items: Sequence[tuple[Target, ops.Index | None]], staleness: int) -> list[np.ndarray]:
-    cache = pipeline.STALE_READS
+def _read_stale(items: Sequence[tuple[Target, ops.Index | None]], cache: pipeline.StaleReads,
+                staleness: int) -> list[np.ndarray]:
     out: list[np.ndarray | None] = [None if index is not None else cache.get(t.key, staleness) for t, index in items]
     missing = [i for i, value in enumerate(out) if value is None]
     if missing:
@@ -185,8 +185,9 @@ def _read(items: Sequence[tuple[Target, ops.Index | None]]) -> list[np.ndarray]:
 def update(items: Sequence[tuple[Target, str, ops.Payload]]) -> None:
     """Apply checked ``(target, op, payload)`` updates: one call per server, all at once."""
     targets = [t for t, _, _ in items]
-    if pipeline.STALE_READS.values:
-        pipeline.STALE_READS.forget(t.key for t in targets)  # this process's own updates are seen at once
+    pipe = pipeline.current()
+    if pipe is not None and pipe.reads.values:
+        pipe.reads.forget(t.key for t in targets)  # this trainer's own updates are seen at once
     calls: list[Call] = [(server, ops.Update([(items[i][0].key, items[i][1], items[i][2]) for i in idx]))
                          for server, idx in _by_server(targets).items()]
     _push(calls, _owner(targets))
