@@ -46,3 +46,13 @@ def test_a_strategy_keeps_step_sized_arrays_on_the_heap():
 def test_zero_leaves_malloc_as_dask_set_it():
     faults = _faults(0)
     assert all(f > 256 for f in faults.values()), faults  # each array faulted in afresh
+
+
+@pytest.mark.parametrize("bad", ["lots", "-5MiB", -1, "4GiB", None, True])
+def test_a_bad_threshold_is_refused_naming_the_key(client, bad):
+    with dask.config.set({"daskps.worker-mmap-threshold": bad}):
+        with pytest.raises(ValueError, match="daskps.worker-mmap-threshold"):
+            dps.ParameterServerStrategy(client)
+    with dps.ParameterServerStrategy(client) as strategy:  # nothing was left half made
+        with strategy.scope():
+            assert dps.Variable(1.0).numpy() == 1.0

@@ -20,6 +20,7 @@ import contextlib
 from collections import Counter
 from typing import Any, NamedTuple
 
+import dask.config
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
@@ -27,7 +28,7 @@ from daskps.ps import protocol
 from daskps.ps.group import parse_server_key
 from daskps.ps.ledger import InputLedger
 from daskps.ps.routing import ServerRef
-from daskps.ps.worker_state import WORKER_PLUGIN_NAME
+from daskps.ps.worker_state import WORKER_PLUGIN_NAME, mmap_threshold
 from daskps.ps.worker_state import register as register_worker_plugin
 
 PLUGIN_NAME = "daskps"
@@ -217,6 +218,8 @@ def close_input(dataset: str, dask_scheduler: Any = None) -> None:
 
 def install_plugin(client: Any) -> None:
     """Make sure the scheduler of ``client`` runs the plugin, and its workers daskps' worker plugin (once)."""
+    mmap_threshold(dask.config.get("daskps.worker-mmap-threshold"))  # a bad value is refused before anything
+
     def has_plugins(dask_scheduler: Any) -> tuple[bool, bool]:
         return PLUGIN_NAME in dask_scheduler.plugins, WORKER_PLUGIN_NAME in dask_scheduler.worker_plugins
 

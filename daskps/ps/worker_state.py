@@ -66,15 +66,29 @@ class DaskPSWorkerPlugin(WorkerPlugin):
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 
 
-def set_mmap_threshold(threshold: int | str | None) -> bool:
+def mmap_threshold(threshold: object) -> int:
+    """``daskps.worker-mmap-threshold`` in bytes (0: leave malloc alone), or a ``ValueError`` naming the key."""
+    try:
+        if threshold is None or isinstance(threshold, bool):
+            raise ValueError
+        size = parse_bytes(threshold) if isinstance(threshold, str) else int(threshold)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        size = -1
+    if not 0 <= size < 2**31:
+        raise ValueError(f"daskps.worker-mmap-threshold must be a size below 2 GiB such as '32MiB', "
+                         f"or 0 to leave malloc as Dask set it; got {threshold!r}")
+    return size
+
+
+def set_mmap_threshold(threshold: object) -> bool:
     """Have this process's ``malloc`` serve blocks below ``threshold`` from its heap (glibc only).
 
     The heap keeps up to twice that free at its top (the trim threshold),
     or a freed block would go back to the system at once, to be faulted in
-    afresh at the next step. Returns whether it was set: not for
-    ``0``/``None``, nor where the C library is not glibc.
+    afresh at the next step. Returns whether it was set: not for ``0``, nor
+    where the C library is not glibc.
     """
-    size = parse_bytes(threshold) if isinstance(threshold, str) else int(threshold or 0)
+    size = mmap_threshold(threshold)
     if size <= 0 or not sys.platform.startswith("linux"):
         return False
     try:
@@ -82,8 +96,8 @@ def set_mmap_threshold(threshold: int | str | None) -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
-    return bool(mallopt(M_MMAP_THRESHOLD, ctypes.c_int(size))) and bool(mallopt(M_TRIM_THRESHOLD,
-                                                                                ctypes.c_int(2 * size)))
+    trim = min(2 * size, 2**31 - 1)
+    return bool(mallopt(M_MMAP_THRESHOLD, ctypes.c_int(size))) and bool(mallopt(M_TRIM_THRESHOLD, ctypes.c_int(trim)))
 
 
 def plugin_of(worker: Any) -> DaskPSWorkerPlugin:
