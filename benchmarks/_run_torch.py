@@ -133,13 +133,13 @@ class _Trainer:
         futures = [rpc.rpc_async(s, _pull, args=(ns,)) for s, ns in zip(self.servers, self.where)]
         return {n: t.numpy() for ns, f in zip(self.where, futures) for n, t in zip(ns, f.wait())}
 
-    def _push_all(self, grads: dict[str, np.ndarray], extra=()) -> None:
+    def _push_all(self, grads: dict[str, np.ndarray]) -> None:
         import torch
         from torch.distributed import rpc
 
         futures = [rpc.rpc_async(s, _push, args=(ns, [_tensor(grads[n]) for n in ns], LR))
                    for s, ns in zip(self.servers, self.where)]
-        torch.futures.wait_all(futures + list(extra))
+        torch.futures.wait_all(futures)
 
     def _dense(self, batch) -> float:
         v = self._pull_all()
