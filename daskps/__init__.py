@@ -39,6 +39,7 @@ from daskps.distribute.values import InputContext, InputOptions, ReduceOp, RunOp
 from daskps.training.checkpoint import Checkpoint, CheckpointManager
 from daskps.training.sidecar import SidecarEvaluator
 from daskps.variables.embedding import embedding_lookup
+from daskps.variables.hashed import EmbeddingTable
 from daskps.variables.params import create_variables
 from daskps.variables.partitioned import create_partitioned_variables
 from daskps.variables.variable import ShardedVariable, Variable, read_values
@@ -50,6 +51,7 @@ __all__ = [
     "CheckpointManager",
     "ClusterCoordinator",
     "DaskClusterResolver",
+    "EmbeddingTable",
     "IndexedSlices",
     "InputContext",
     "InputOptions",

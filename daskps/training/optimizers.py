@@ -37,11 +37,12 @@ import numpy as np
 
 from daskps._core import clipping, schedules, transforms, trees
 from daskps._core.slices import IndexedSlices
-from daskps._core.updates import check_gradient
+from daskps._core.updates import check_gradient, coerce_values
 from daskps.distribute import context
 from daskps.ps import ops, protocol, refs
 from daskps.ps.routing import LOCAL
 from daskps.variables import rows
+from daskps.variables.hashed import EmbeddingTable
 from daskps.variables.variable import ShardedVariable, Variable, shards_of
 
 __all__ = ["Optimizer"]
@@ -261,7 +262,8 @@ class Optimizer:
         """Remember ``var_list`` as the variables :meth:`apply` trains when given none."""
         self._built = [v for v in var_list]
         for v in self._built:
-            shards_of(v, "var_list")
+            if not isinstance(v, EmbeddingTable):
+                shards_of(v, "var_list")
 
     def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]], name: Any = None) -> Variable:
         """Apply ``(gradient, variable)`` pairs: one call per parameter server, all at once.
@@ -314,7 +316,7 @@ class Optimizer:
         pairs = []
         for path, i, v in zip(var_paths, order, variables):
             g = flat_grads[i]
-            if isinstance(v, (Variable, ShardedVariable)):
+            if isinstance(v, (Variable, ShardedVariable, EmbeddingTable)):
                 pairs.append((g, v))
             elif trees.is_array(g) or isinstance(g, IndexedSlices):
                 raise TypeError(f"trainable_variables at {trees.describe(path)} must be a Variable to take a "
@@ -327,6 +329,9 @@ class Optimizer:
         for grad, var in zip(grads, variables):
             if grad is None:
                 continue
+            if isinstance(var, EmbeddingTable):
+                checked.append((var, "rows", _table_gradient(var, grad)))
+                continue
             if not isinstance(var, (Variable, ShardedVariable)):
                 raise TypeError(f"gradients must be paired with Variables, got {_describe(var)}")
             transforms.check_trainable(var.dtype, var.name, self.name)
@@ -337,12 +342,12 @@ class Optimizer:
         for (var, _, _), (kind, payload) in zip(checked, clipped):
             items.extend(_split_gradient(var, kind, payload))
         counter = self.iterations.handle
-        if counter.server.is_local and any(not v.handle.server.is_local for v, _, _ in items):
+        if counter.server.is_local and any(not h.server.is_local for h, _, _ in items):
             raise RuntimeError(
                 f"optimizer {self.name!r} was created outside strategy.scope(), so its iterations "
                 "counter is not on a parameter server; create it inside the scope"
             )
-        protocol.apply_gradients(self._key, [(v.handle, kind, g) for v, kind, g in items], counter)
+        protocol.apply_gradients(self._key, items, counter)
 
     def __repr__(self) -> str:
         rate = self._transform.learning_rate  # a schedule as itself: no call to a server
@@ -374,11 +379,30 @@ def _describe(x: Any) -> str:
     return f"a {type(x).__name__}" + (f" of shape {shape}" if shape is not None else "")
 
 
-def _split_gradient(var: Any, kind: str, payload: Any) -> list[tuple[Variable, str, Any]]:
+def _table_gradient(table: EmbeddingTable, grad: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``(keys, values)`` of an embedding table's gradient, checked."""
+    if not isinstance(grad, IndexedSlices):
+        raise TypeError(f"the gradient for embedding table {table.name!r} must be IndexedSlices(values, keys), "
+                        f"got {_describe(grad)}")
+    keys = table.keys_of(grad.indices, "gradient keys", one_d=True)
+    values = coerce_values(grad.values, table.dtype, table.name, "gradient values")
+    if values.shape != (len(keys), table.dim):
+        raise ValueError(f"gradient values for embedding table {table.name!r} must have shape "
+                         f"{(len(keys), table.dim)}, got {values.shape}")
+    return keys, values
+
+
+def _split_gradient(var: Any, kind: str, payload: Any) -> list[tuple[Any, str, Any]]:
+    """``(handle, kind, payload)`` for each shard (or part) of ``var``."""
+    if isinstance(var, EmbeddingTable):
+        # Every part gets its part, even an empty one: all parts count the same steps.
+        keys, values = payload
+        return [(h, "rows", (keys[w], values[w])) for h, w in zip(var.handles, var.split(keys))]
     if isinstance(var, Variable):
-        return [(var, kind, payload)]
+        return [(var.handle, kind, payload)]
     if kind == "dense":
-        return [(v, "dense", payload[a:b]) for v, a, b in zip(var.variables, var.row_offsets, var.row_offsets[1:])]
-    # Every shard gets its part, even an empty one, so that all shards count the
-    # same steps and Adam's bias correction does not depend on the sharding.
-    return list(zip(var.variables, ["rows"] * len(var.variables), rows.split_rows(var.row_offsets, *payload)))
+        return [(v.handle, "dense", payload[a:b])
+                for v, a, b in zip(var.variables, var.row_offsets, var.row_offsets[1:])]
+    # Every shard gets its part, even an empty one, so that all shards count the same
+    # steps and Adam's bias correction does not depend on the sharding.
+    return [(v.handle, "rows", part) for v, part in zip(var.variables, rows.split_rows(var.row_offsets, *payload))]

@@ -8,6 +8,7 @@ import numpy as np
 
 from daskps._core.updates import check_indices
 from daskps.variables import rows
+from daskps.variables.hashed import EmbeddingTable
 from daskps.variables.rows import clip_rows
 from daskps.variables.variable import ShardedVariable, Variable
 
@@ -19,11 +20,12 @@ def embedding_lookup(params: Any, ids: Any, max_norm: float | None = None, name:
 
     Parameters
     ----------
-    params : Variable, ShardedVariable, list of Variable, or numpy array
+    params : Variable, ShardedVariable, list of Variable, EmbeddingTable, or numpy array
         A list is taken as the shards of one table in row order (for a "div"
         split this is TensorFlow's ``partition_strategy="div"``).
     ids : array-like of int, any shape
-        Row numbers in ``[0, rows)``; ``IndexError`` otherwise.
+        Row numbers in ``[0, rows)``; ``IndexError`` otherwise. For an
+        :class:`~daskps.EmbeddingTable`, any int64 keys (rows are made on first sight).
     max_norm : float, optional
         Rows whose L2 norm exceeds it are scaled down to it.
 
@@ -39,7 +41,9 @@ def embedding_lookup(params: Any, ids: Any, max_norm: float | None = None, name:
     """
     if isinstance(params, (list, tuple)):
         params = params[0] if len(params) == 1 else ShardedVariable(list(params), name="embedding")
-    if isinstance(params, ShardedVariable):
+    if isinstance(params, EmbeddingTable):
+        found = params.lookup(ids)
+    elif isinstance(params, ShardedVariable):
         found = rows.gather_rows(params.variables, params.row_offsets, ids, params.name, arg="ids")
     elif isinstance(params, Variable):
         found = rows.gather_rows([params], (0, params.shape[0] if params.shape else 0), ids, params.name, arg="ids")

@@ -1,0 +1,298 @@
+"""A table keyed by any int64: one server's part of an :class:`daskps.EmbeddingTable`.
+
+Rows live in one growing numpy array (the *arena*), found through a
+:class:`daskps.ps.hashing.KeyIndex`; each optimizer's slots are arrays of
+the arena's shape, so the dense optimizers' row-local update runs unchanged
+on the rows a gradient names. A freed row's place is reused, its slots
+reset as the optimizer's ``init`` makes them.
+
+The rules, exactly (``tests/test_embedding_table.py`` checks them against a
+reference written from this text):
+
+- **Clock.** Every lookup and every gradient this part receives advances
+  its *use clock* by one; every gradient advances its *step* by one (the
+  client sends every gradient to every part, so all parts count the same
+  steps). A row records the use clock of the last lookup or gradient that
+  named it, and the step of the last gradient that updated it (its creation
+  counts as an update).
+- **Admission.** A lookup counts one *sighting* of each distinct key it
+  names that has no row. At its ``admit_after``-th sighting the key gets a
+  row, made by the initializer; before that a lookup reads zeros for it and
+  gradients for it are dropped (counted in ``dropped``).
+- **Capacity.** After a lookup makes rows, while the part holds more than
+  its share of ``capacity``, it removes the row with the oldest use clock,
+  the smallest key first among equals.
+- **Age.** ``evict()`` removes every row whose last update is
+  ``evict_after_steps`` or more steps old.
+- A removed row takes its optimizer slots with it; a key seen again starts
+  afresh (sightings, initializer, slots).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, cast
+
+import numpy as np
+from fsspec import AbstractFileSystem
+
+from daskps._core import ckpt_io, transforms
+from daskps._core.arrays import call_initializer
+from daskps._core.transforms import Transform
+from daskps.ps.hashing import KeyIndex, server_of
+from daskps.ps.tables import Staged, Table
+
+# Reads that are not lookups: what ``read`` answers for these names.
+KEYS, ROWS, STATS, EVICT = "keys", "rows", "stats", "evict"
+STAT_FIELDS = ("rows", "admitted", "evicted", "dropped", "pending", "steps")
+
+
+class HashSpec(NamedTuple):
+    """One server's part of an embedding table: part ``part`` of ``parts``."""
+
+    dim: int
+    dtype: str
+    initializer: Callable[..., Any] | None
+    admit_after: int
+    evict_after_steps: int | None
+    capacity: int | None  # this part's share
+    part: int
+    parts: int
+
+    def build(self, name: str) -> tuple[Table, bool]:
+        return HashTable(name, self), False
+
+
+def check_keys(keys: Any, name: str, arg: str, one_d: bool) -> np.ndarray:
+    """``keys`` as int64; refuse anything but integers that fit."""
+    k = np.asarray(keys)
+    if k.size == 0 and k.dtype.kind == "f":
+        k = k.astype(np.int64)  # [] parses as float64
+    if k.dtype.kind not in "iu":
+        raise TypeError(f"{arg} for embedding table {name!r} must be integers, got dtype {k.dtype}")
+    if one_d and k.ndim != 1:
+        raise ValueError(f"{arg} for embedding table {name!r} must be 1-D, got shape {k.shape}")
+    if k.dtype == np.uint64 and k.size and k.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"{arg} for embedding table {name!r} must fit in int64, got {k.max()}")
+    return k.astype(np.int64, copy=False)
+
+
+class HashTable(Table):
+    """Rows by int64 key, made on first sight (see the module's rules)."""
+
+    def __init__(self, name: str, spec: HashSpec):
+        self.name = name
+        self.spec = spec
+        self.dtype = np.dtype(spec.dtype)
+        self.slots = {}
+        self._transforms: dict[str, Transform] = {}
+        self._index = KeyIndex()
+        self._values = np.zeros((0, spec.dim), self.dtype)
+        self._key = np.zeros(0, np.int64)  # by arena row
+        self._used = np.zeros(0, np.int64)  # use clock of the last lookup or gradient
+        self._updated = np.zeros(0, np.int64)  # step of the last update
+        self._live = np.zeros(0, bool)
+        self._free = np.zeros(0, np.int64)  # arena rows to reuse, used last first
+        self._top = 0  # arena rows ever handed out
+        self._sightings: dict[int, int] = {}
+        self.clock = self.steps = 0
+        self.admitted = self.evicted = self.dropped = 0
+
+    # -- reads ---------------------------------------------------------------------
+    def read(self, index: object, shared: bool) -> np.ndarray:
+        if isinstance(index, str):
+            return self._special(index)
+        keys = check_keys(index, self.name, "ids", one_d=True)
+        return self.lookup(keys)
+
+    def _special(self, what: str) -> np.ndarray:
+        live = np.flatnonzero(self._live)
+        order = live[np.argsort(self._key[live], kind="stable")]  # by key: the same on every call
+        if what == KEYS:
+            return self._key[order]
+        if what == ROWS:
+            return self._values[order]
+        if what == STATS:
+            return np.array([len(live), self.admitted, self.evicted, self.dropped, len(self._sightings),
+                             self.steps], np.int64)
+        if what == EVICT:
+            return np.array(self.evict(), np.int64)
+        raise ValueError(f"embedding table {self.name!r} has no read {what!r}")
+
+    def lookup(self, keys: np.ndarray) -> np.ndarray:
+        """Rows of distinct ``keys``: made on first (admitted) sight; zeros for keys not admitted."""
+        if len(np.unique(keys)) != len(keys):
+            raise ValueError(f"ids sent to a part of embedding table {self.name!r} must be distinct")
+        self._check_mine(keys)
+        rows = self._index.find(keys)
+        new = np.flatnonzero(rows < 0)
+        admit = self._admissions(keys[new])
+        made_keys = keys[new[admit]]
+        made = self._initial(len(made_keys))  # may raise: nothing has changed yet
+        self.clock += 1
+        self._used[rows[rows >= 0]] = self.clock
+        out = np.zeros((len(keys), self.spec.dim), self.dtype)
+        out[rows >= 0] = self._values[rows[rows >= 0]]
+        out[new[admit]] = made
+        self._count_sightings(keys[new], admit)
+        if len(made_keys):
+            self._add(made_keys, made)
+            self._fit_capacity()
+        return out
+
+    def _check_mine(self, keys: np.ndarray) -> None:
+        if self.spec.parts > 1 and len(keys):
+            wrong = server_of(keys, self.spec.parts) != self.spec.part
+            if wrong.any():
+                raise ValueError(f"key {keys[wrong][0]} does not belong to part {self.spec.part} of "
+                                 f"embedding table {self.name!r}")
+
+    def _admissions(self, keys: np.ndarray) -> np.ndarray:
+        """Which of the row-less ``keys`` this sighting admits (nothing changes here)."""
+        need = self.spec.admit_after
+        if need <= 1:
+            return np.ones(len(keys), bool)
+        seen = self._sightings
+        return np.array([seen.get(k, 0) + 1 >= need for k in keys.tolist()], bool)
+
+    def _count_sightings(self, keys: np.ndarray, admitted: np.ndarray) -> None:
+        if self.spec.admit_after <= 1:
+            return
+        seen = self._sightings
+        for k, a in zip(keys.tolist(), admitted.tolist()):
+            if a:
+                seen.pop(k, None)
+            else:
+                seen[k] = seen.get(k, 0) + 1
+
+    def _initial(self, n: int) -> np.ndarray:
+        shape = (n, self.spec.dim)
+        if self.spec.initializer is None or n == 0:
+            return np.zeros(shape, self.dtype)
+        made = np.asarray(call_initializer(self.spec.initializer, shape, self.dtype))
+        if made.shape != shape:
+            raise ValueError(f"the initializer of embedding table {self.name!r} returned shape {made.shape} "
+                             f"for shape {shape}")
+        if made.dtype.kind not in "biuf":
+            raise TypeError(f"the initializer of embedding table {self.name!r} returned dtype {made.dtype}")
+        return made.astype(self.dtype, copy=False)
+
+    # -- rows in and out -----------------------------------------------------------
+    def _add(self, keys: np.ndarray, values: np.ndarray) -> None:
+        rows = self._allocate(len(keys))
+        self._values[rows] = values
+        self._key[rows], self._used[rows], self._updated[rows] = keys, self.clock, self.steps
+        self._live[rows] = True
+        for opt_key, state in list(self.slots.items()):
+            fresh = self._transforms[opt_key].init(self._values[rows])
+            for field, value in transforms.slot_arrays(fresh).items():
+                getattr(state, field)[rows] = value
+        self._index.insert(keys, rows)
+        self.admitted += len(keys)
+
+    def _allocate(self, n: int) -> np.ndarray:
+        reuse = self._free[len(self._free) - min(n, len(self._free)):]
+        self._free = self._free[: len(self._free) - len(reuse)]
+        fresh = np.arange(self._top, self._top + n - len(reuse))
+        self._top += len(fresh)
+        if self._top > len(self._values):
+            self._grow(max(self._top, 2 * len(self._values), 64))
+        return np.concatenate([reuse, fresh]).astype(np.int64)
+
+    def _grow(self, size: int) -> None:
+        def grown(a: np.ndarray) -> np.ndarray:
+            out = np.zeros((size,) + a.shape[1:], a.dtype)
+            out[: len(a)] = a
+            return out
+
+        self._values, self._key, self._used = grown(self._values), grown(self._key), grown(self._used)
+        self._updated, self._live = grown(self._updated), grown(self._live)
+        self.slots = {k: s._replace(**{f: grown(a) for f, a in transforms.slot_arrays(s).items()})
+                      for k, s in self.slots.items()}
+
+    def _remove(self, rows: np.ndarray) -> int:
+        if len(rows):
+            self._index.delete(self._key[rows])
+            self._live[rows] = False
+            self._free = np.concatenate([self._free, rows])
+            self.evicted += len(rows)
+        return len(rows)
+
+    def _fit_capacity(self) -> None:
+        share = self.spec.capacity
+        live = np.flatnonzero(self._live)
+        over = len(live) - share if share is not None else 0
+        if over <= 0:
+            return
+        used, keys = self._used[live], self._key[live]
+        cut = np.partition(used, over - 1)[over - 1]  # the use clock of the last row to go
+        older = live[used < cut]
+        ties = np.flatnonzero(used == cut)
+        ties = ties[np.argsort(keys[ties], kind="stable")][: over - len(older)]
+        self._remove(np.concatenate([older, live[ties]]))
+
+    def evict(self) -> int:
+        """Remove rows not updated in the last ``evict_after_steps`` steps; how many went."""
+        k = self.spec.evict_after_steps
+        if k is None:
+            return 0
+        live = np.flatnonzero(self._live)
+        return self._remove(live[self._updated[live] <= self.steps - k])
+
+    # -- updates and gradients -----------------------------------------------------
+    def check_update(self, op: str, payload: object) -> object:
+        raise TypeError(f"embedding table {self.name!r} changes through gradients and evict(), not {op!r}")
+
+    def apply_update(self, op: str, checked: object) -> None:  # pragma: no cover - check_update refuses all
+        raise TypeError(op)
+
+    def check_gradient(self, kind: str, gradient: object, optimizer: str) -> tuple[str, object]:
+        transforms.check_trainable(self.dtype, self.name, optimizer)
+        if kind != "rows" or not isinstance(gradient, tuple) or len(gradient) != 2:
+            raise TypeError(f"gradients for embedding table {self.name!r} must be IndexedSlices(values, keys)")
+        keys = check_keys(gradient[0], self.name, "gradient keys", one_d=True)
+        self._check_mine(keys)
+        values = np.asarray(gradient[1])
+        if values.dtype.kind not in "biuf" or not np.can_cast(values.dtype, self.dtype, "same_kind"):
+            raise TypeError(f"gradient values for embedding table {self.name!r} must be castable to "
+                            f"{self.dtype}, got {values.dtype}")
+        if values.shape != (len(keys), self.spec.dim):
+            raise ValueError(f"gradient values for embedding table {self.name!r} must have shape "
+                             f"{(len(keys), self.spec.dim)}, got {values.shape}")
+        return "rows", (keys, values.astype(self.dtype, copy=False))
+
+    def apply_gradient(self, opt_key: str, transform: Transform, checked: tuple[str, object], lazy_sparse: bool) -> None:
+        keys, values = cast(tuple[np.ndarray, np.ndarray], checked[1])
+        self.steps += 1
+        self.clock += 1
+        rows = self._index.find(keys)
+        held = rows >= 0
+        self.dropped += int(np.count_nonzero(~held))
+        self._transforms[opt_key] = transform
+        state = self.slots.get(opt_key)
+        if state is None:
+            state = transform.init(self._values)
+        # Always row-local: a hash table has no dense form to scatter into.
+        self.slots[opt_key] = transforms.apply_gradient(transform, self._values, state, "rows",
+                                                        (rows[held], values[held]), True)
+        self._updated[rows[held]] = self.steps
+        self._used[rows[held]] = self.clock
+
+    # -- sizes ---------------------------------------------------------------------
+    def info(self) -> tuple[str, tuple[int, ...], str]:
+        return self.name, (int(np.count_nonzero(self._live)), self.spec.dim), self.dtype.str
+
+    def nbytes(self) -> int:
+        arrays = (self._values, self._key, self._used, self._updated, self._live, self._free)
+        return int(sum(a.nbytes for a in arrays) + self._index.nbytes())
+
+    # -- checkpoints ---------------------------------------------------------------
+    def save(self, fs: AbstractFileSystem, root: str, tensor: str, offset: int,
+             optimizers: Sequence[tuple[str, str]]) -> list[ckpt_io.Written]:
+        raise TypeError(f"embedding table {self.name!r}: checkpoints of hash tables are not supported yet")
+
+    def stage(self, fs: AbstractFileSystem, root: str, spec: ckpt_io.RestoreSpec) -> Staged:
+        raise TypeError(f"embedding table {self.name!r}: checkpoints of hash tables are not supported yet")
+
+    def commit(self, staged: Staged, optimizers: dict[str, Transform]) -> None:
+        raise TypeError(f"embedding table {self.name!r}: checkpoints of hash tables are not supported yet")

@@ -1,0 +1,127 @@
+"""Hashing int64 keys: which server holds a key, and a vectorised open-addressing index.
+
+:func:`mix` is the splitmix64 finaliser (Steele, Lea and Flood, 2014): it
+spreads any int64 keys, consecutive ones included, evenly over 64 bits, and
+gives the same answer in every process (Python's ``hash`` of an int is the
+int itself). A key lives on server ``mix(key) % num_servers``.
+
+:class:`KeyIndex` maps keys to row numbers with linear probing over numpy
+arrays, a whole batch of keys per probe step, so a lookup of a few thousand
+keys costs a few numpy passes rather than a Python loop. Memory: 12 bytes per
+position, at most half the positions used (it grows, and sweeps out deleted
+positions, as needed).
+
+>>> index = KeyIndex()
+>>> index.insert(np.array([7, -3, 2**40]), np.array([0, 1, 2]))
+>>> index.find(np.array([2**40, 5, 7])).tolist()
+[2, -1, 0]
+>>> index.delete(np.array([7])); index.find(np.array([7, -3])).tolist(), len(index)
+([-1, 1], 2)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_M1, _M2, _GOLDEN = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
+_EMPTY, _DELETED = -1, -2
+
+
+def mix(keys: np.ndarray) -> np.ndarray:
+    """splitmix64 of int64 ``keys`` (any shape), as uint64."""
+    z = np.asarray(keys, dtype=np.int64).view(np.uint64) + _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+def server_of(keys: np.ndarray, num_servers: int) -> np.ndarray:
+    """The server (``0 .. num_servers - 1``) that holds each key."""
+    return (mix(keys) % np.uint64(num_servers)).astype(np.int64)
+
+
+class KeyIndex:
+    """int64 key -> row number (>= 0), for batches of keys at a time."""
+
+    def __init__(self, positions: int = 1024):
+        self._keys = np.zeros(positions, np.int64)
+        self._rows = np.full(positions, _EMPTY, np.int64)
+        self._used = 0  # live keys
+        self._deleted = 0
+
+    def __len__(self) -> int:
+        return self._used
+
+    def nbytes(self) -> int:
+        return int(self._keys.nbytes + self._rows.nbytes)
+
+    def _home(self, keys: np.ndarray) -> np.ndarray:
+        # Bits above those that pick the server, so keys of one server still spread here.
+        return ((mix(keys) >> np.uint64(20)) & np.uint64(len(self._rows) - 1)).astype(np.int64)
+
+    def _probe(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For each key: its position (or -1) and its row (or -1)."""
+        mask = len(self._rows) - 1
+        pos = self._home(keys)
+        where = np.full(len(keys), -1, np.int64)
+        todo = np.arange(len(keys))
+        while todo.size:
+            p = pos[todo]
+            rows = self._rows[p]
+            hit = (rows >= 0) & (self._keys[p] == keys[todo])
+            where[todo[hit]] = p[hit]
+            go_on = ~hit & (rows != _EMPTY)
+            todo = todo[go_on]
+            pos[todo] = (p[go_on] + 1) & mask
+        rows = np.where(where >= 0, self._rows[np.maximum(where, 0)], -1)
+        return where, rows
+
+    def find(self, keys: np.ndarray) -> np.ndarray:
+        """The row of each key, -1 where absent."""
+        return self._probe(np.asarray(keys, np.int64))[1]
+
+    def insert(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        """Add distinct ``keys``, none of them present, at ``rows``."""
+        keys, rows = np.asarray(keys, np.int64), np.asarray(rows, np.int64)
+        if 2 * (self._used + self._deleted + len(keys)) > len(self._rows):
+            self._rebuild(self._used + len(keys))
+        mask = len(self._rows) - 1
+        pos = self._home(keys)
+        todo = np.arange(len(keys))
+        while todo.size:
+            p = pos[todo]
+            free = self._rows[p] < 0
+            # Several keys may want one free position: the first of them takes it.
+            taken, first = np.unique(p[free], return_index=True)
+            winners = todo[free][first]
+            self._deleted -= int(np.count_nonzero(self._rows[taken] == _DELETED))
+            self._keys[taken], self._rows[taken] = keys[winners], rows[winners]
+            placed = np.zeros(len(todo), bool)
+            placed[np.flatnonzero(free)[first]] = True
+            todo = todo[~placed]
+            pos[todo] = (p[~placed] + 1) & mask
+        self._used += len(keys)
+
+    def delete(self, keys: np.ndarray) -> None:
+        """Remove ``keys`` (absent ones are ignored)."""
+        where, _ = self._probe(np.asarray(keys, np.int64))
+        where = where[where >= 0]
+        self._rows[where] = _DELETED
+        self._used -= len(where)
+        self._deleted += len(where)
+
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every ``(keys, rows)``."""
+        live = self._rows >= 0
+        return self._keys[live], self._rows[live]
+
+    def _rebuild(self, need: int) -> None:
+        keys, rows = self.items()
+        size = 1024
+        while size < 4 * need:
+            size *= 2
+        self._keys = np.zeros(size, np.int64)
+        self._rows = np.full(size, _EMPTY, np.int64)
+        self._used = self._deleted = 0
+        if len(keys):
+            self.insert(keys, rows)

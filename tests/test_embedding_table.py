@@ -1,0 +1,292 @@
+"""EmbeddingTable: hash-keyed rows, admission, eviction by age and by capacity, slots dropped with rows.
+
+The reference below is written from the rules in ``daskps/ps/hash_table.py``'s
+docstring and from Keras' Adagrad, in plain Python and numpy, with its own
+splitmix64 (integers, not numpy), and checked against a table on a real
+2-server cluster.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import daskps as dps
+
+DIM, LR, ACC0, EPS = 3, 0.1, 0.1, 1e-7
+MASK = (1 << 64) - 1
+
+
+def splitmix64(key: int) -> int:
+    z = (key + 0x9E3779B97F4A7C15) & MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
+    return z ^ (z >> 31)
+
+
+def init_rows(shape, dtype):
+    """Rows that differ by position, so a row made for the wrong key shows."""
+    n, d = shape
+    return (np.arange(n * d, dtype=np.float64).reshape(n, d) / 10 + 1).astype(dtype)
+
+
+class Part:
+    def __init__(self, admit_after, capacity, evict_after):
+        self.rows: dict[int, dict] = {}  # key -> {"value", "acc", "used", "updated"}
+        self.sightings: dict[int, int] = {}
+        self.clock = self.steps = 0
+        self.admit_after, self.capacity, self.evict_after = admit_after, capacity, evict_after
+        self.admitted = self.evicted = self.dropped = 0
+
+    def lookup(self, keys):  # distinct keys, in ascending order (as the client sends them)
+        self.clock += 1
+        out, made = {}, []
+        for k in keys:
+            if k in self.rows:
+                self.rows[k]["used"] = self.clock
+                out[k] = self.rows[k]["value"].copy()
+                continue
+            seen = self.sightings.get(k, 0) + 1
+            if seen >= self.admit_after:
+                self.sightings.pop(k, None)
+                made.append(k)
+            else:
+                self.sightings[k] = seen
+                out[k] = np.zeros(DIM, np.float32)
+        values = init_rows((len(made), DIM), np.float32)
+        for k, v in zip(made, values):
+            self.rows[k] = {"value": v.copy(), "acc": np.full(DIM, ACC0, np.float32), "used": self.clock,
+                            "updated": self.steps}
+            out[k] = v.copy()
+        self.admitted += len(made)
+        while self.capacity is not None and len(self.rows) > self.capacity:
+            victim = min(self.rows, key=lambda k: (self.rows[k]["used"], k))
+            del self.rows[victim]
+            self.evicted += 1
+        return out
+
+    def gradient(self, keys, values):
+        self.steps += 1
+        self.clock += 1
+        summed: dict[int, np.ndarray] = {}
+        for k, g in zip(keys, values):
+            if k not in self.rows:
+                self.dropped += 1
+                continue
+            summed[k] = summed.get(k, np.zeros(DIM, np.float32)) + g
+        for k, g in summed.items():
+            row = self.rows[k]
+            row["acc"] = row["acc"] + np.square(g)
+            row["value"] = row["value"] - np.float32(LR) * g / np.sqrt(row["acc"] + np.float32(EPS))
+            row["updated"], row["used"] = self.steps, self.clock
+
+    def evict(self):
+        old = [k for k, r in self.rows.items() if r["updated"] <= self.steps - self.evict_after]
+        for k in old:
+            del self.rows[k]
+        self.evicted += len(old)
+        return len(old)
+
+
+class Reference:
+    def __init__(self, parts, admit_after=1, capacity=None, evict_after=None):
+        shares = [None] * parts if capacity is None else [capacity // parts + (i < capacity % parts)
+                                                           for i in range(parts)]
+        self.parts = [Part(admit_after, s, evict_after) for s in shares]
+
+    def part(self, key):
+        return splitmix64(key) % len(self.parts)
+
+    def lookup(self, ids):
+        ids = np.asarray(ids)
+        found = {}
+        uniq = sorted(set(int(k) for k in ids.ravel()))
+        for p, part in enumerate(self.parts):
+            mine = [k for k in uniq if self.part(k) == p]
+            if mine:
+                found.update(part.lookup(mine))
+        return np.array([found[int(k)] for k in ids.ravel()], np.float32).reshape(ids.shape + (DIM,))
+
+    def gradient(self, keys, values):
+        for p, part in enumerate(self.parts):
+            mine = [i for i, k in enumerate(keys) if self.part(int(k)) == p]
+            part.gradient([int(keys[i]) for i in mine], values[mine].astype(np.float32))
+
+    def evict(self):
+        return sum(p.evict() for p in self.parts)
+
+    def export(self):
+        rows = {k: r["value"] for p in self.parts for k, r in p.rows.items()}
+        keys = sorted(rows)
+        return np.array(keys, np.int64), np.array([rows[k] for k in keys], np.float32).reshape(-1, DIM)
+
+    def stats(self):
+        return [{"rows": len(p.rows), "admitted": p.admitted, "evicted": p.evicted, "dropped": p.dropped,
+                 "pending": len(p.sightings), "steps": p.steps} for p in self.parts]
+
+
+def _check_same(table, ref):
+    keys, rows = table.export()
+    want_keys, want_rows = ref.export()
+    np.testing.assert_array_equal(keys, want_keys)
+    np.testing.assert_allclose(rows, want_rows, rtol=2e-6, atol=1e-6)
+    assert table.stats() == ref.stats()
+
+
+KEYS = np.array([0, 1, 2, 3, -1, -5, 7, 11, 2**40 + 3, -(2**50), 2**62 + 7, 123456789, 42, 99, -42, 8])
+
+
+@pytest.mark.parametrize("admit_after, capacity, evict_after", [(1, None, None), (2, None, 3), (1, 9, None),
+                                                                (3, 7, 2)])
+def test_a_table_follows_the_reference_rules(strategy, admit_after, capacity, evict_after):
+    rng = np.random.default_rng(admit_after * 100 + (capacity or 0))
+    with strategy.scope():
+        table = dps.EmbeddingTable(DIM, initializer=init_rows, admit_after=admit_after, capacity=capacity,
+                                   evict_after_steps=evict_after)
+        opt = dps.optimizers.Adagrad(LR, initial_accumulator_value=ACC0, epsilon=EPS)
+    ref = Reference(2, admit_after, capacity, evict_after)
+    for step in range(60):
+        ids = rng.choice(KEYS, size=(2, 3))  # repeats included
+        got = dps.embedding_lookup(table, ids)
+        assert got.shape == (2, 3, DIM)
+        np.testing.assert_allclose(got, ref.lookup(ids), rtol=2e-6, atol=1e-6)
+        grad_keys = rng.choice(KEYS, size=5)
+        values = rng.normal(size=(5, DIM)).astype(np.float32)
+        opt.apply_gradients([(dps.IndexedSlices(values, grad_keys), table)])
+        ref.gradient(grad_keys, values)
+        if evict_after is not None and step % 4 == 3:
+            assert table.evict() == ref.evict()
+        if step % 10 == 9:
+            _check_same(table, ref)
+    _check_same(table, ref)
+    stats = ref.stats()
+    saw_drop = sum(s["dropped"] for s in stats) > 0
+    saw_evict = sum(s["evicted"] for s in stats) > 0
+    assert saw_drop  # gradients for keys without a row (never looked up, not yet admitted, or evicted)
+    assert saw_evict == (capacity is not None or evict_after is not None)
+    if capacity is not None:
+        assert all(s["rows"] <= capacity // 2 + 1 for s in table.stats())
+
+
+def test_first_touch_any_int64_and_the_default_initializer(strategy):
+    with strategy.scope():
+        table = dps.EmbeddingTable(4)
+    ids = np.array([[-(2**63), 2**63 - 1], [0, 2**41]])
+    assert dps.embedding_lookup(table, ids).shape == (2, 2, 4)
+    assert not dps.embedding_lookup(table, ids).any()  # zeros by default
+    keys, rows = table.export()
+    assert sorted(keys.tolist()) == sorted(ids.ravel().tolist()) and table.size() == 4
+    assert {s["rows"] for s in table.stats()} != {0} and len(table.stats()) == 2  # both servers hold rows
+    assert dps.embedding_lookup(table, np.array([], np.int64)).shape == (0, 4)
+
+
+def test_an_evicted_row_comes_back_with_fresh_slots(strategy):
+    with strategy.scope():
+        table = dps.EmbeddingTable(1, evict_after_steps=1)
+        opt = dps.optimizers.Adagrad(1.0, initial_accumulator_value=1.0, epsilon=1e-12)
+    key = np.array([5])
+
+    def step(g):
+        dps.embedding_lookup(table, key)
+        opt.apply_gradients([(dps.IndexedSlices(np.array([[g]], np.float32), key), table)])
+        return float(table.export()[1][0, 0])
+
+    assert step(3.0) == pytest.approx(-3 / np.sqrt(10))
+    opt.apply_gradients([(dps.IndexedSlices(np.zeros((1, 1), np.float32), np.array([6])), table)])
+    assert table.evict() == 1 and table.size() == 0
+    # Kept slots would give -3 / sqrt(1 + 9 + 9); fresh ones give the first step's value again.
+    assert step(3.0) == pytest.approx(-3 / np.sqrt(10))
+
+
+def test_trainers_look_up_and_train_a_table(strategy, coordinator):
+    with strategy.scope():
+        table = dps.EmbeddingTable(2, name="items")
+        opt = dps.optimizers.SGD(0.5)
+
+    def step(i):
+        ids = np.array([i, -i, 2**40 + i])
+        rows = dps.embedding_lookup(table, ids)
+        opt.apply_gradients([(dps.IndexedSlices(np.ones_like(rows), ids), table)])
+        return rows.sum()
+
+    coordinator.fetch([coordinator.schedule(step, args=(i,)) for i in range(1, 9)])
+    keys, rows = table.export()
+    assert len(keys) == 24 and table.size() == 24
+    np.testing.assert_array_equal(rows, np.full((24, 2), -0.5, np.float32))
+    assert "EmbeddingTable 'items' dim=2" in repr(table)
+
+
+def _snapshot(table):
+    keys, rows = table.export()
+    return keys.tolist(), rows.tolist(), table.stats()
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (np.array([1.5]), TypeError, "ids .* must be integers"),
+    (np.array(["a"]), TypeError, "ids .* must be integers"),
+    (np.array([2**64 - 1], np.uint64), ValueError, "fit in int64"),
+    ([True, False], TypeError, "must be integers"),
+])
+def test_bad_ids_are_refused_and_nothing_changes(strategy, bad, error, match):
+    with strategy.scope():
+        table = dps.EmbeddingTable(2, admit_after=2)
+    dps.embedding_lookup(table, np.array([1, 2, 3]))
+    before = _snapshot(table)
+    with pytest.raises(error, match=match):
+        dps.embedding_lookup(table, bad)
+    assert _snapshot(table) == before
+
+
+@pytest.mark.parametrize("grad, error, match", [
+    (dps.IndexedSlices(np.ones((2, 1, 2), np.float32), np.array([[1], [2]])), ValueError, "gradient keys .* 1-D"),
+    (dps.IndexedSlices(np.ones((1, 2), np.float32), np.array([2**64 - 1], np.uint64)), ValueError, "fit in int64"),
+    (dps.IndexedSlices(np.ones((2, 3), np.float32), np.array([1, 2])), ValueError, r"shape \(2, 2\)"),
+    (dps.IndexedSlices(np.array([["a", "b"], ["c", "d"]]), np.array([1, 2])), TypeError, "numeric"),
+    (np.ones((2, 2), np.float32), TypeError, "must be IndexedSlices"),
+])
+def test_bad_gradients_are_refused_and_nothing_changes(strategy, grad, error, match):
+    with strategy.scope():
+        table = dps.EmbeddingTable(2)
+        opt = dps.optimizers.SGD(1.0)
+    dps.embedding_lookup(table, np.array([1, 2, 3]))
+    before = _snapshot(table)
+    with pytest.raises(error, match=match):
+        opt.apply_gradients([(grad, table)])
+    assert _snapshot(table) == before
+
+
+def test_int32_keys_must_fit(strategy):
+    with strategy.scope():
+        table = dps.EmbeddingTable(2, key_dtype=np.int32)
+    with pytest.raises(ValueError, match="key_dtype int32"):
+        dps.embedding_lookup(table, np.array([2**31]))
+    assert table.size() == 0
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"dim": 0}, ValueError, "dim must be an int >= 1"),
+    ({"dim": 2, "admit_after": 0}, ValueError, "admit_after must be an int >= 1"),
+    ({"dim": 2, "evict_after_steps": 0}, ValueError, "evict_after_steps"),
+    ({"dim": 2, "capacity": 1}, ValueError, "capacity must be at least the number of parameter servers"),
+    ({"dim": 2, "dtype": np.int32}, TypeError, "float dtype"),
+    ({"dim": 2, "key_dtype": np.float32}, TypeError, "key_dtype"),
+    ({"dim": 2, "initializer": 3}, TypeError, "initializer must be callable"),
+])
+def test_bad_arguments_are_refused(strategy, kwargs, error, match):
+    with strategy.scope(), pytest.raises(error, match=match):
+        dps.EmbeddingTable(**kwargs)
+
+
+def test_an_initializer_of_the_wrong_shape_fails_the_lookup_and_changes_nothing(strategy):
+    with strategy.scope():
+        table = dps.EmbeddingTable(2, initializer=lambda shape, dtype: np.zeros((shape[0] + 1, 2), dtype))
+    with pytest.raises(ValueError, match="initializer .* returned shape"):
+        dps.embedding_lookup(table, np.array([10, 11, 12, 13]))
+    assert table.size() == 0 and all(s["pending"] == 0 for s in table.stats())
+
+
+def test_checkpoints_refuse_a_table_for_now(strategy, tmp_path):
+    with strategy.scope():
+        table = dps.EmbeddingTable(2)
+    with pytest.raises(TypeError, match="EmbeddingTable"):
+        dps.Checkpoint(table=table)
