@@ -8,6 +8,9 @@ splitmix64 (integers, not numpy), and checked against a table on a real
 
 from __future__ import annotations
 
+import gc
+import time
+
 import numpy as np
 import pytest
 
@@ -290,3 +293,21 @@ def test_checkpoints_refuse_a_table_for_now(strategy, tmp_path):
         table = dps.EmbeddingTable(2)
     with pytest.raises(TypeError, match="EmbeddingTable"):
         dps.Checkpoint(table=table)
+
+
+def test_a_dropped_table_is_released_on_every_server(strategy):
+    with strategy.scope():
+        table = dps.EmbeddingTable(2, name="dropped")
+    dps.embedding_lookup(table, np.arange(50))
+
+    def parts():
+        return [k for s in strategy.ps_stats() for k in s["variables"] if k.startswith("dropped@")]
+
+    assert len(parts()) == 2
+    del table
+    gc.collect()
+    for _ in range(100):
+        if not parts():
+            break
+        time.sleep(0.05)
+    assert parts() == []
