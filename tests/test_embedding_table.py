@@ -15,6 +15,9 @@ import numpy as np
 import pytest
 
 import daskps as dps
+from daskps.errors import RollbackWarning
+
+from .conftest import kill_worker
 
 DIM, LR, ACC0, EPS = 3, 0.1, 0.1, 1e-7
 MASK = (1 << 64) - 1
@@ -288,11 +291,72 @@ def test_an_initializer_of_the_wrong_shape_fails_the_lookup_and_changes_nothing(
     assert table.size() == 0 and all(s["pending"] == 0 for s in table.stats())
 
 
-def test_checkpoints_refuse_a_table_for_now(strategy, tmp_path):
+def _train(table, opt, ref, rng, steps, keys=KEYS):
+    for _ in range(steps):
+        ids = rng.choice(keys, size=6)
+        np.testing.assert_allclose(dps.embedding_lookup(table, ids), ref.lookup(ids), rtol=2e-6, atol=1e-6)
+        grad_keys = rng.choice(keys, size=5)
+        values = rng.normal(size=(5, DIM)).astype(np.float32)
+        opt.apply_gradients([(dps.IndexedSlices(values, grad_keys), table)])
+        ref.gradient(grad_keys, values)
+
+
+def _accumulators(ref):
+    return {k: r["acc"] for p in ref.parts for k, r in p.rows.items()}
+
+
+def test_a_checkpoint_saved_from_two_servers_restores_into_three(strategy, tmp_path):
+    rng = np.random.default_rng(7)
     with strategy.scope():
-        table = dps.EmbeddingTable(2)
-    with pytest.raises(TypeError, match="EmbeddingTable"):
-        dps.Checkpoint(table=table)
+        table = dps.EmbeddingTable(DIM, initializer=init_rows, evict_after_steps=6, name="emb")
+        opt = dps.optimizers.Adagrad(LR, initial_accumulator_value=ACC0, epsilon=EPS)
+    ref = Reference(2, evict_after=6)
+    _train(table, opt, ref, rng, 20)
+    _train(table, opt, ref, rng, 8, keys=KEYS[:4])  # the other keys age out: the save evicts them
+    path = dps.Checkpoint(emb=table, opt=opt).write(str(tmp_path / "ck"))
+    evicted = ref.evict()
+    assert evicted > 0
+    _check_same(table, ref)  # the save evicted what the reference evicts
+    want_keys, want_rows = ref.export()
+    want_acc = _accumulators(ref)
+
+    with dps.LocalPSCluster(num_ps=3, num_workers=1) as cluster, cluster.get_client() as client:
+        three = dps.ParameterServerStrategy(client)
+        with three.scope():
+            again = dps.EmbeddingTable(DIM, initializer=init_rows, evict_after_steps=6, name="emb")
+            opt3 = dps.optimizers.Adagrad(LR, initial_accumulator_value=ACC0, epsilon=EPS)
+        dps.Checkpoint(emb=again, opt=opt3).restore(path)
+        keys, rows = again.export()
+        np.testing.assert_array_equal(keys, want_keys)
+        np.testing.assert_allclose(rows, want_rows, rtol=1e-6)
+        per_server = [s["rows"] for s in again.stats()]
+        assert len(per_server) == 3 and sum(per_server) == len(want_keys) and min(per_server) > 0
+        assert {s["steps"] for s in again.stats()} == {ref.parts[0].steps}
+        # The accumulators came along: one more step gives the reference's Adagrad answer.
+        g = np.full((len(keys), DIM), 0.5, np.float32)
+        opt3.apply_gradients([(dps.IndexedSlices(g, keys), again)])
+        acc = np.array([want_acc[int(k)] for k in keys]) + 0.25
+        expect = want_rows - np.float32(LR) * 0.5 / np.sqrt(acc + np.float32(EPS))
+        np.testing.assert_allclose(again.export()[1], expect, rtol=1e-5)
+        three.close()
+
+
+def test_a_restore_that_does_not_fit_changes_nothing(strategy, tmp_path):
+    with strategy.scope():
+        table = dps.EmbeddingTable(2, name="t")
+        other = dps.EmbeddingTable(3, name="t")
+        dense = dps.Variable(np.zeros((4, 2), np.float32))
+    dps.embedding_lookup(table, np.array([1, 2]))
+    dps.embedding_lookup(other, np.array([5]))
+    path = dps.Checkpoint(t=table).write(str(tmp_path / "ck"))
+    before = _snapshot(other)
+    with pytest.raises(ValueError, match="embedding table has dim 3"):
+        dps.Checkpoint(t=other).restore(path)
+    with pytest.raises(ValueError, match=r"checkpoint has shape \(2, 2\), object has \(4, 2\)"):
+        dps.Checkpoint(t=dense).restore(path)
+    with pytest.raises(ValueError, match="lacks"):
+        dps.Checkpoint(t=other).restore(dps.Checkpoint(t=dense).write(str(tmp_path / "dense")))
+    assert _snapshot(other) == before
 
 
 def test_a_dropped_table_is_released_on_every_server(strategy):
@@ -311,3 +375,44 @@ def test_a_dropped_table_is_released_on_every_server(strategy):
             break
         time.sleep(0.05)
     assert parts() == []
+
+
+def test_the_part_of_a_lost_server_comes_back_from_the_checkpoint(fresh_cluster, tmp_path):
+    _, client = fresh_cluster
+    strategy = dps.ParameterServerStrategy(client)
+    keys = np.array([-9, -1, 0, 1, 2, 3, 5, 8, 13, 2**40, 2**50 + 1, 77, 78, 79, 80, 81])
+    on_ps0 = np.array([splitmix64(int(k)) % 2 == 0 for k in keys])
+    assert 0 < on_ps0.sum() < len(keys)
+    with strategy.scope():
+        table = dps.EmbeddingTable(2, name="emb")
+        opt = dps.optimizers.SGD(1.0)
+    manager = dps.CheckpointManager(dps.Checkpoint(emb=table, opt=opt), str(tmp_path))
+    coordinator = dps.ClusterCoordinator(strategy, checkpoint_manager=manager)
+    ones = np.ones((len(keys), 2), np.float32)
+
+    def step():
+        dps.embedding_lookup(table, keys)
+        opt.apply_gradients([(dps.IndexedSlices(ones, keys), table)])
+
+    for _ in range(3):
+        coordinator.schedule(step)
+    coordinator.join()
+    manager.save()
+    for _ in range(2):
+        coordinator.schedule(step)
+    coordinator.join()
+    kill_worker(client, "ps-0")
+    with pytest.warns(RollbackWarning, match="emb"):
+        deadline = time.monotonic() + 60
+        while not coordinator.recoveries:
+            assert time.monotonic() < deadline, "no recovery"
+            time.sleep(0.05)
+        coordinator.join()
+    got_keys, rows = table.export()
+    np.testing.assert_array_equal(got_keys, np.sort(keys))
+    by_key = dict(zip(got_keys.tolist(), rows[:, 0].tolist()))
+    # ps-0's part is back at the checkpoint (3 steps); ps-1's part kept all 5.
+    assert [by_key[int(k)] for k in keys] == [-3.0 if lost else -5.0 for lost in on_ps0]
+    coordinator.schedule(step)
+    coordinator.join()
+    assert table.size() == len(keys) and float(table.export()[1].sum()) == 2 * (-4.0 * on_ps0.sum() - 6.0 * (~on_ps0).sum())

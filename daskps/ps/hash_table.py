@@ -289,10 +289,94 @@ class HashTable(Table):
     # -- checkpoints ---------------------------------------------------------------
     def save(self, fs: AbstractFileSystem, root: str, tensor: str, offset: int,
              optimizers: Sequence[tuple[str, str]]) -> list[ckpt_io.Written]:
-        raise TypeError(f"embedding table {self.name!r}: checkpoints of hash tables are not supported yet")
+        """Evict by age, then write keys, rows, their clocks and slots as pieces at ``offset``.
 
-    def stage(self, fs: AbstractFileSystem, root: str, spec: ckpt_io.RestoreSpec) -> Staged:
-        raise TypeError(f"embedding table {self.name!r}: checkpoints of hash tables are not supported yet")
+        ``offset`` only names this part's files: the coordinator numbers the
+        parts' rows one after another in the manifest.
+        """
+        self.evict()
+        live = np.flatnonzero(self._live)
+        live = live[np.argsort(self._key[live], kind="stable")]
+        states = []
+        for opt_path, opt_key in optimizers:
+            state = self.slots.get(opt_key)
+            if state is not None:
+                slots = {f: a[live] for f, a in transforms.slot_arrays(state).items()}
+                states.append((opt_path, state.count, slots))
+        records = ckpt_io.write_with_slots(fs, root, tensor, offset, self._values[live], states)
+        for suffix, array in ((KEYS_TENSOR, self._key[live]), (UPDATED_TENSOR, self._updated[live]),
+                              (USED_TENSOR, self._used[live]),
+                              (CLOCKS_TENSOR, np.array([[self.steps, self.clock]], np.int64))):
+            records.append(ckpt_io.write_piece(fs, root, tensor + suffix, offset, array))
+        return records
+
+    def stage(self, fs: AbstractFileSystem, root: str, spec: Any) -> Staged:
+        """Read the rows of a saved table (any number of parts) whose keys belong to this part."""
+        def whole(name: str, row_shape: tuple, dtype: Any) -> np.ndarray:
+            pieces = spec.pieces[name]
+            rows = sum(p["rows"] for p in pieces)
+            return ckpt_io.read_rows(fs, root, 0, rows, pieces, row_shape, np.dtype(dtype))
+
+        keys = whole(KEYS_TENSOR, (), np.int64)
+        mine = server_of(keys, self.spec.parts) == self.spec.part if self.spec.parts > 1 else np.ones(len(keys), bool)
+        dim = (self.spec.dim,)
+        values = whole("", dim, self.dtype)[mine]
+        clocks = whole(CLOCKS_TENSOR, (2,), np.int64)
+        slots: dict[str, tuple[int, dict[str, np.ndarray]] | None] = {}
+        for opt_key, saved in spec.slots.items():
+            if saved is None:
+                slots[opt_key] = None
+                continue
+            arrays = {}
+            for slot, pieces in saved.pieces.items():
+                total = sum(p["rows"] for p in pieces)
+                arrays[slot] = ckpt_io.read_rows(fs, root, 0, total, pieces, dim, self.dtype)[mine]
+            slots[opt_key] = (int(saved.step), arrays)
+        rows = _Restored(keys[mine], values, whole(UPDATED_TENSOR, (), np.int64)[mine],
+                         whole(USED_TENSOR, (), np.int64)[mine], int(clocks[:, 0].max(initial=0)),
+                         int(clocks[:, 1].max(initial=0)))
+        return Staged(rows, slots)
 
     def commit(self, staged: Staged, optimizers: dict[str, Transform]) -> None:
-        raise TypeError(f"embedding table {self.name!r}: checkpoints of hash tables are not supported yet")
+        """Replace everything with the staged rows (pending sightings start afresh)."""
+        got: _Restored = staged.value
+        fresh = HashTable(self.name, self.spec)
+        n = len(got.keys)
+        fresh._grow(max(n, 64))
+        rows = np.arange(n)
+        fresh._values[rows], fresh._key[rows] = got.values, got.keys
+        fresh._updated[rows], fresh._used[rows], fresh._live[rows] = got.updated, got.used, True
+        fresh._top = n
+        fresh._index.insert(got.keys, rows)
+        fresh.steps, fresh.clock = got.steps, got.clock
+        for opt_key, saved in staged.slots.items():
+            if saved is None:
+                continue
+            count, arrays = saved
+            padded = {k: np.concatenate([a, np.zeros((len(fresh._values) - n,) + a.shape[1:], a.dtype)])
+                      for k, a in arrays.items()}
+            fresh.slots[opt_key] = transforms.state_from_slots(optimizers[opt_key], fresh._values, count, padded)
+            fresh._transforms[opt_key] = optimizers[opt_key]
+        self.__dict__.update(fresh.__dict__)
+
+
+class _Restored(NamedTuple):
+    keys: np.ndarray
+    values: np.ndarray
+    updated: np.ndarray
+    used: np.ndarray
+    steps: int
+    clock: int
+
+
+class HashRestoreSpec(NamedTuple):
+    """What a part reads to restore: the pieces of each saved tensor (by suffix: ``""`` for the rows)
+    and, per optimizer key, what it saved."""
+
+    pieces: dict[str, list[dict[str, Any]]]
+    slots: dict[str, ckpt_io.SavedSlots | None]
+
+
+# The tensors a hash table saves beside its rows (``<name>`` itself) and its slots.
+KEYS_TENSOR, UPDATED_TENSOR, USED_TENSOR, CLOCKS_TENSOR = "/.KEYS", "/.LAST_UPDATED", "/.LAST_USED", "/.CLOCKS"
+SAVED_TENSORS = ("", KEYS_TENSOR, UPDATED_TENSOR, USED_TENSOR, CLOCKS_TENSOR)

@@ -30,9 +30,12 @@ from daskps._core.updates import apply_update, check_gradient_of_kind, check_upd
 
 
 class Staged(NamedTuple):
-    """A restore read from a checkpoint, not yet put in place: the value and each optimizer's slots."""
+    """A restore read from a checkpoint, not yet put in place: the value and each optimizer's slots.
 
-    value: np.ndarray
+    ``value`` is what the table kind needs (a dense table: its array).
+    """
+
+    value: Any
     slots: dict[str, tuple[int, dict[str, np.ndarray]] | None]
 
 

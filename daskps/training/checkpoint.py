@@ -44,9 +44,11 @@ import numpy as np
 
 from daskps._core import ckpt_io
 from daskps.ps import protocol
+from daskps.ps.hash_table import SAVED_TENSORS, HashRestoreSpec
 from daskps.training.metrics import Metric
 from daskps.training.optimizers import Optimizer
 from daskps.ui.progress import watch
+from daskps.variables.hashed import EmbeddingTable
 from daskps.variables.variable import ShardedVariable, Variable
 
 __all__ = ["Checkpoint", "CheckpointManager"]
@@ -65,17 +67,67 @@ class _Tensor:
         self.shape = first.shape if rows is None else (rows,) + first.shape[1:]
 
 
+class _Part:
+    """One server's part of an embedding table, as a checkpoint sees it."""
+
+    nbytes = 0  # not known before the server writes it
+
+    def __init__(self, handle: Any):
+        self.handle = handle
+
+
+class _Table:
+    """An :class:`EmbeddingTable`: one piece per server, saved at ``part << 40`` (which names its files);
+    the manifest then numbers the parts' rows one after another."""
+
+    slotted = True
+
+    def __init__(self, table: EmbeddingTable):
+        self.table = table
+        self.dtype = table.dtype
+        self.parts = [(_Part(h), i << 40) for i, h in enumerate(table.handles)]
+
+
+def _renumber(saved: dict[str, dict], tables: list[str]) -> None:
+    """Give the pieces of each table's tensors (rows, keys, clocks, slots) consecutive offsets."""
+    for name, entry in saved.items():
+        if any(name == t or name.startswith(t + "/") for t in tables):
+            at = 0
+            for piece in entry["pieces"]:  # sorted by the offsets the servers were given
+                piece["offset"] = at
+                at += piece["rows"]
+
+
+def _table_problems(name: str, t: _Table, saved: dict, slots_of: dict) -> list[str]:
+    missing = [name + s for s in SAVED_TENSORS if name + s not in saved]
+    if missing:
+        return [f"{name}: the checkpoint lacks {', '.join(missing)} (not saved from an EmbeddingTable)"]
+    entry, problems = saved[name], []
+    if entry["shape"][1:] != [t.table.dim]:
+        problems.append(f"{name}: checkpoint has rows of {entry['shape'][1:]}, embedding table has dim {t.table.dim}")
+    if np.dtype(entry["dtype"]) != t.dtype:
+        problems.append(f"{name}: checkpoint has dtype {np.dtype(entry['dtype'])}, embedding table has {t.dtype}")
+    for per_slot in slots_of.get(name, {}).values():
+        for slot_name, slot in per_slot.values():
+            if slot["shape"] != entry["shape"]:
+                problems.append(f"{slot_name}: checkpoint has shape {tuple(slot['shape'])}, rows have "
+                                f"{tuple(entry['shape'])}")
+    return problems
+
+
 def escape(name: str) -> str:
     """One path component, with ``/`` escaped as TensorFlow escapes it (``.`` -> ``..``, ``/`` -> ``.S``)."""
     return name.replace(".", "..").replace("/", ".S")
 
 
-def _collect(objects: dict[str, Any]) -> tuple[dict[str, _Tensor], dict[str, Optimizer]]:
-    tensors: dict[str, _Tensor] = {}
+def _collect(objects: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Optimizer]]:
+    tensors: dict[str, Any] = {}  # _Tensor or _Table
     optimizers: dict[str, Optimizer] = {}
 
     def walk(obj: Any, path: str) -> None:
-        if isinstance(obj, ShardedVariable):
+        if isinstance(obj, EmbeddingTable):
+            tensors[path] = _Table(obj)  # type: ignore[assignment]
+        elif isinstance(obj, ShardedVariable):
             tensors[path] = _Tensor(list(zip(obj.variables, obj.row_offsets)), slotted=True)
         elif isinstance(obj, Variable):
             tensors[path] = _Tensor([(obj, 0)], slotted=True)
@@ -96,7 +148,7 @@ def _collect(objects: dict[str, Any]) -> tuple[dict[str, _Tensor], dict[str, Opt
         else:
             raise TypeError(
                 f"checkpoint object {path!r} is a {type(obj).__name__}; expected a Variable, ShardedVariable, "
-                "optimizer, metric, or a dict/list/tuple of them"
+                "EmbeddingTable, optimizer, metric, or a dict/list/tuple of them"
             )
 
     for name, obj in objects.items():
@@ -151,8 +203,10 @@ class Checkpoint:
         show = progress if progress is not None else nbytes >= float(dask.config.get("daskps.progress-bytes"))
         run = lambda: protocol.save(path, items)  # noqa: E731
         records = _with_progress(run, f"saving {path}", nbytes, fs, root) if show else run()
+        saved = _tensors(records)
+        _renumber(saved, [name for name, t in tensors.items() if isinstance(t, _Table)])
         manifest = {"format": "daskps-checkpoint/1", "save_counter": self.save_counter, "time": time.time(),
-                    "tensors": _tensors(records)}
+                    "tensors": saved}
         fs.pipe_file(f"{root}/{MANIFEST}.tmp", json.dumps(manifest, indent=1).encode())
         fs.mv(f"{root}/{MANIFEST}.tmp", f"{root}/{MANIFEST}")  # the commit point
         return path
@@ -191,8 +245,14 @@ class Checkpoint:
         slots_of = _slot_index(saved)
         _check_match(tensors, saved, slots_of, path)
         _check_optimizers_reach(tensors, optimizers, slots_of, path)
-        items = []
+        items: list[tuple[Any, Any]] = []
         for name, t in tensors.items():
+            if isinstance(t, _Table):  # every part reads the rows whose keys are now its own
+                slots = {o.server_key: _saved_slots(slots_of, saved[name], name, p) for p, o in optimizers.items()}
+                spec = HashRestoreSpec({s: saved[name + s]["pieces"] for s in SAVED_TENSORS}, slots)
+                items += [(part.handle, spec) for part, _ in t.parts
+                          if servers is None or part.handle.server in servers]
+                continue
             for v, offset in t.parts:
                 if servers is not None and v.handle.server not in servers:
                     continue
@@ -334,17 +394,19 @@ def _slot_index(saved: dict) -> dict[str, dict[str, dict[str, tuple[str, dict]]]
     return index
 
 
-def _check_match(tensors: dict[str, _Tensor], saved: dict, slots_of: dict, path: str) -> None:
+def _check_match(tensors: dict[str, Any], saved: dict, slots_of: dict, path: str) -> None:
     problems = []
     for name, t in tensors.items():
         entry = saved.get(name)
-        if entry is None:
+        if isinstance(t, _Table):
+            problems += _table_problems(name, t, saved, slots_of)
+        elif entry is None:
             problems.append(f"{name}: not in the checkpoint")
         elif tuple(entry["shape"]) != t.shape:
             problems.append(f"{name}: checkpoint has shape {tuple(entry['shape'])}, object has {t.shape}")
         elif np.dtype(entry["dtype"]) != t.dtype:  # as TensorFlow: no silent cast, not even to float64
             problems.append(f"{name}: checkpoint has dtype {np.dtype(entry['dtype'])}, object has {t.dtype}")
-        for per_slot in slots_of.get(name, {}).values() if t.slotted else ():
+        for per_slot in slots_of.get(name, {}).values() if isinstance(t, _Tensor) and t.slotted else ():
             for slot_name, slot in per_slot.values():
                 if tuple(slot["shape"]) != t.shape:
                     problems.append(f"{slot_name}: checkpoint has shape {tuple(slot['shape'])}, variable has {t.shape}")
