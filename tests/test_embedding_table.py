@@ -16,6 +16,7 @@ import pytest
 
 import daskps as dps
 from daskps.errors import RollbackWarning
+from daskps.ps.hashing import KeyIndex
 
 from .conftest import kill_worker
 
@@ -416,3 +417,26 @@ def test_the_part_of_a_lost_server_comes_back_from_the_checkpoint(fresh_cluster,
     coordinator.schedule(step)
     coordinator.join()
     assert table.size() == len(keys) and float(table.export()[1].sum()) == 2 * (-4.0 * on_ps0.sum() - 6.0 * (~on_ps0).sum())
+
+
+def test_the_key_index_matches_a_dict_through_inserts_deletes_and_rebuilds():
+    rng = np.random.default_rng(3)
+    stored = np.zeros(200_000, np.int64)  # the key of each row, as a table keeps it
+    index, want, next_row = KeyIndex(lambda rows: stored[rows]), {}, 0
+    for it in range(200):
+        keys = np.unique(np.concatenate([rng.integers(-(2**62), 2**62, rng.integers(0, 400)),
+                                         rng.integers(0, 60, 50)]))  # fresh keys and a few that repeat
+        rows = index.find(keys)
+        assert rows.tolist() == [want.get(int(k), -1) for k in keys]
+        new = keys[rows < 0]
+        at = np.arange(next_row, next_row + len(new))
+        stored[at], next_row = new, next_row + len(new)
+        index.insert(new, at)
+        want.update(zip(new.tolist(), at.tolist()))
+        if it % 2:
+            gone = np.array(list(want))[rng.random(len(want)) < 0.3]
+            index.delete(gone)
+            for k in gone.tolist():
+                del want[k]
+        assert len(index) == len(want)
+    assert sorted(index.rows().tolist()) == sorted(want.values())

@@ -84,10 +84,14 @@ class HashTable(Table):
         self.name = name
         self.spec = spec
         self.dtype = np.dtype(spec.dtype)
+        self._reset()
+
+    def _reset(self) -> None:
+        """Empty: no rows, slots, sightings or counts."""
         self.slots = {}
         self._transforms: dict[str, Transform] = {}
-        self._index = KeyIndex()
-        self._values = np.zeros((0, spec.dim), self.dtype)
+        self._index = KeyIndex(self._keys_at)
+        self._values = np.zeros((0, self.spec.dim), self.dtype)
         self._key = np.zeros(0, np.int64)  # by arena row
         self._used = np.zeros(0, np.int64)  # use clock of the last lookup or gradient
         self._updated = np.zeros(0, np.int64)  # step of the last update
@@ -97,6 +101,9 @@ class HashTable(Table):
         self._sightings: dict[int, int] = {}
         self.clock = self.steps = 0
         self.admitted = self.evicted = self.dropped = 0
+
+    def _keys_at(self, rows: np.ndarray) -> np.ndarray:
+        return self._key[rows]
 
     # -- reads ---------------------------------------------------------------------
     def read(self, index: object, shared: bool) -> np.ndarray:
@@ -340,24 +347,23 @@ class HashTable(Table):
     def commit(self, staged: Staged, optimizers: dict[str, Transform]) -> None:
         """Replace everything with the staged rows (pending sightings start afresh)."""
         got: _Restored = staged.value
-        fresh = HashTable(self.name, self.spec)
+        self._reset()
         n = len(got.keys)
-        fresh._grow(max(n, 64))
+        self._grow(max(n, 64))
         rows = np.arange(n)
-        fresh._values[rows], fresh._key[rows] = got.values, got.keys
-        fresh._updated[rows], fresh._used[rows], fresh._live[rows] = got.updated, got.used, True
-        fresh._top = n
-        fresh._index.insert(got.keys, rows)
-        fresh.steps, fresh.clock = got.steps, got.clock
+        self._values[rows], self._key[rows] = got.values, got.keys
+        self._updated[rows], self._used[rows], self._live[rows] = got.updated, got.used, True
+        self._top = n
+        self._index.insert(got.keys, rows)
+        self.steps, self.clock = got.steps, got.clock
         for opt_key, saved in staged.slots.items():
             if saved is None:
                 continue
             count, arrays = saved
-            padded = {k: np.concatenate([a, np.zeros((len(fresh._values) - n,) + a.shape[1:], a.dtype)])
+            padded = {k: np.concatenate([a, np.zeros((len(self._values) - n,) + a.shape[1:], a.dtype)])
                       for k, a in arrays.items()}
-            fresh.slots[opt_key] = transforms.state_from_slots(optimizers[opt_key], fresh._values, count, padded)
-            fresh._transforms[opt_key] = optimizers[opt_key]
-        self.__dict__.update(fresh.__dict__)
+            self.slots[opt_key] = transforms.state_from_slots(optimizers[opt_key], self._values, count, padded)
+            self._transforms[opt_key] = optimizers[opt_key]
 
 
 class _Restored(NamedTuple):

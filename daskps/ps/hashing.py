@@ -11,8 +11,9 @@ keys costs a few numpy passes rather than a Python loop. Memory: 12 bytes per
 position, at most half the positions used (it grows, and sweeps out deleted
 positions, as needed).
 
->>> index = KeyIndex()
->>> index.insert(np.array([7, -3, 2**40]), np.array([0, 1, 2]))
+>>> stored = np.array([7, -3, 2**40])  # the key of each row
+>>> index = KeyIndex(stored.__getitem__)
+>>> index.insert(stored, np.array([0, 1, 2]))
 >>> index.find(np.array([2**40, 5, 7])).tolist()
 [2, -1, 0]
 >>> index.delete(np.array([7])); index.find(np.array([7, -3])).tolist(), len(index)
@@ -20,6 +21,8 @@ positions, as needed).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
@@ -41,11 +44,16 @@ def server_of(keys: np.ndarray, num_servers: int) -> np.ndarray:
 
 
 class KeyIndex:
-    """int64 key -> row number (>= 0), for batches of keys at a time."""
+    """int64 key -> row number (>= 0), for batches of keys at a time.
 
-    def __init__(self, positions: int = 1024):
-        self._keys = np.zeros(positions, np.int64)
-        self._rows = np.full(positions, _EMPTY, np.int64)
+    The keys themselves live with their rows: ``key_at(rows)`` gives them
+    (an embedding table keeps each row's key anyway), so a position costs 4
+    bytes: the row number, or empty, or deleted.
+    """
+
+    def __init__(self, key_at: Callable[[np.ndarray], np.ndarray], positions: int = 1024):
+        self._key_at = key_at
+        self._rows = np.full(positions, _EMPTY, np.int32)
         self._used = 0  # live keys
         self._deleted = 0
 
@@ -53,7 +61,7 @@ class KeyIndex:
         return self._used
 
     def nbytes(self) -> int:
-        return int(self._keys.nbytes + self._rows.nbytes)
+        return int(self._rows.nbytes)
 
     def _home(self, keys: np.ndarray) -> np.ndarray:
         # Bits above those that pick the server, so keys of one server still spread here.
@@ -68,20 +76,21 @@ class KeyIndex:
         while todo.size:
             p = pos[todo]
             rows = self._rows[p]
-            hit = (rows >= 0) & (self._keys[p] == keys[todo])
+            hit = rows >= 0
+            hit[hit] = self._key_at(rows[hit]) == keys[todo[hit]]
             where[todo[hit]] = p[hit]
             go_on = ~hit & (rows != _EMPTY)
             todo = todo[go_on]
             pos[todo] = (p[go_on] + 1) & mask
         rows = np.where(where >= 0, self._rows[np.maximum(where, 0)], -1)
-        return where, rows
+        return where, rows.astype(np.int64)
 
     def find(self, keys: np.ndarray) -> np.ndarray:
         """The row of each key, -1 where absent."""
         return self._probe(np.asarray(keys, np.int64))[1]
 
     def insert(self, keys: np.ndarray, rows: np.ndarray) -> None:
-        """Add distinct ``keys``, none of them present, at ``rows``."""
+        """Add distinct ``keys``, none of them present, at ``rows`` (where ``key_at`` already finds them)."""
         keys, rows = np.asarray(keys, np.int64), np.asarray(rows, np.int64)
         if 2 * (self._used + self._deleted + len(keys)) > len(self._rows):
             self._rebuild(self._used + len(keys))
@@ -95,7 +104,7 @@ class KeyIndex:
             taken, first = np.unique(p[free], return_index=True)
             winners = todo[free][first]
             self._deleted -= int(np.count_nonzero(self._rows[taken] == _DELETED))
-            self._keys[taken], self._rows[taken] = keys[winners], rows[winners]
+            self._rows[taken] = rows[winners]
             placed = np.zeros(len(todo), bool)
             placed[np.flatnonzero(free)[first]] = True
             todo = todo[~placed]
@@ -110,18 +119,18 @@ class KeyIndex:
         self._used -= len(where)
         self._deleted += len(where)
 
-    def items(self) -> tuple[np.ndarray, np.ndarray]:
-        """Every ``(keys, rows)``."""
-        live = self._rows >= 0
-        return self._keys[live], self._rows[live]
+    def rows(self) -> np.ndarray:
+        """Every row held."""
+        return self._rows[self._rows >= 0].astype(np.int64)
 
     def _rebuild(self, need: int) -> None:
-        keys, rows = self.items()
+        rows = self.rows()
         size = 1024
-        while size < 4 * need:
+        while size < 3 * need:
             size *= 2
-        self._keys = np.zeros(size, np.int64)
-        self._rows = np.full(size, _EMPTY, np.int64)
+        if size > np.iinfo(np.int32).max:
+            raise MemoryError(f"an index of {size} positions is too large")
+        self._rows = np.full(size, _EMPTY, np.int32)
         self._used = self._deleted = 0
-        if len(keys):
-            self.insert(keys, rows)
+        if len(rows):
+            self.insert(self._key_at(rows), rows)
