@@ -6,6 +6,8 @@
   ``jax.jit(jax.value_and_grad(loss))`` (daskps only: what a JAX user's step costs).
 - ``ctr``: 8 fields x 100,000 ids, embedding dim 16 (one 800,000 x 16 table),
   logits = concat(embeddings) @ w (128 x 1), sigmoid cross-entropy; sparse gradients.
+- ``ctr_hash``: ``ctr`` with the table an ``EmbeddingTable`` (hash-keyed rows made on
+  first sight; daskps only: read against daskps' own ``ctr``).
 - ``small``: 64 variables of 32 floats, every one read and updated each step.
 
 Batch 256, SGD with learning rate 0.05. Each trainer cycles through a few
@@ -96,6 +98,11 @@ def ctr_table(shape, dtype, partition_shape=None, partition_offset=None):
     return (rng.normal(size=rows) * 0.01).astype(dtype)
 
 
+def ctr_hash_init(shape, dtype):
+    """Initializer for ``ctr_hash``'s table: new rows as ``ctr_table`` draws them."""
+    return (np.random.default_rng().normal(size=shape) * 0.01).astype(dtype)
+
+
 def ctr_batches(worker: int) -> list[tuple[np.ndarray, np.ndarray]]:
     rng = np.random.default_rng(200 + worker)
     out = []
@@ -158,4 +165,5 @@ def best_rate(name: str, steps: int, run) -> float:
         best = max(best, steps / (time.perf_counter() - start))
     return best
 UNITS = {"dispatch": "functions/s", "dense": "examples/s", "dense_jax": "examples/s", "ctr": "examples/s",
+         "ctr_hash": "examples/s",
          "small": "steps/s"}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -189,14 +189,23 @@ class EmbeddingTable:
 
     def lookup(self, ids: Any) -> np.ndarray:
         """Rows of ``ids`` (any shape): ``ids.shape + (dim,)``; one call per server, all at once."""
+        items, assemble = self._row_plan(ids)
+        return assemble(protocol.read([(part.handle, keys) for part, keys in items]))
+
+    def _row_plan(self, ids: Any) -> tuple[list[tuple[_Part, np.ndarray]], Callable[[list], np.ndarray]]:
+        """What to read for rows ``ids`` (each distinct key once, from its part), and how to assemble
+        them: as :func:`daskps.variables.rows.plan_rows` does for tables of fixed rows."""
         keys = self.keys_of(ids)
         uniq, inverse = np.unique(keys.ravel(), return_inverse=True)
-        where = self.split(uniq)
-        touched = [(p, w) for p, w in enumerate(where) if len(w)]
-        found = np.zeros((len(uniq), self._dim), self._dtype)
-        for (_, w), rows in zip(touched, protocol.read([(self._parts[p], uniq[w]) for p, w in touched])):
-            found[w] = rows
-        return found[inverse.ravel()].reshape(keys.shape + (self._dim,))
+        touched = [(p, w) for p, w in enumerate(self.split(uniq)) if len(w)]
+
+        def assemble(values: list) -> np.ndarray:
+            found = np.zeros((len(uniq), self._dim), self._dtype)
+            for (_, w), rows in zip(touched, values):
+                found[w] = rows
+            return found[inverse.ravel()].reshape(keys.shape + (self._dim,))
+
+        return [(_Part(self._parts[p]), uniq[w]) for p, w in touched], assemble
 
     # -- whole-table operations ----------------------------------------------------
     def _each(self, what: str) -> list[np.ndarray]:
@@ -226,6 +235,10 @@ class EmbeddingTable:
     def __repr__(self) -> str:
         where = "this process" if self._parts[0].server.is_local else f"{len(self._parts)} parameter servers"
         return f"<daskps.EmbeddingTable {self._name!r} dim={self._dim} dtype={self._dtype} on {where}>"
+
+
+class _Part(NamedTuple):
+    handle: Ref
 
 
 def _rebuild(parts: list[Ref], dim: int, dtype: str, key_dtype: str, name: str, rules: tuple,

@@ -347,7 +347,7 @@ def read_values(variables: Any) -> Any:
         Any structure :func:`daskps.create_variables` accepts: a list, or a
         model's parameter tree of nested dicts, lists, tuples, namedtuples,
         dataclasses or JAX pytrees. A ``(table, ids)`` pair reads the rows
-        ``ids`` (any shape) of a Variable or ShardedVariable, as
+        ``ids`` (any shape) of a Variable, ShardedVariable or EmbeddingTable, as
         ``dps.embedding_lookup(table, ids)`` does, in the same messages as
         everything else. Leaves that are not arrays (``None``, strings,
         numbers: what ``create_variables`` leaves as they are) are returned
@@ -401,7 +401,8 @@ def _is_row_read(node: Any) -> bool:
     A namedtuple (a layer's fields) and a pair whose second item holds a
     string (an activation's name) are part of the parameter tree instead.
     """
-    if not (type(node) is tuple and len(node) == 2 and isinstance(node[0], (Variable, ShardedVariable))):
+    if not (type(node) is tuple and len(node) == 2
+            and (isinstance(node[0], (Variable, ShardedVariable)) or hasattr(node[0], "_row_plan"))):
         return False
     leaves = trees.flatten(node[1])[1]
     return all(x is not None and not isinstance(x, (Variable, ShardedVariable, str, bytes)) for x in leaves)
@@ -410,6 +411,8 @@ def _is_row_read(node: Any) -> bool:
 def _plan(v: Any) -> tuple[list[tuple[Variable, Any]], Any]:
     if isinstance(v, tuple) and len(v) == 2:
         table, ids = v
+        if hasattr(table, "_row_plan"):  # an EmbeddingTable
+            return table._row_plan(ids)
         shards = shards_of(table)
         offsets = table.row_offsets if isinstance(table, ShardedVariable) else (0, table.shape[0] if table.shape else 0)
         return rows.plan_rows(shards, offsets, ids, table.name)
