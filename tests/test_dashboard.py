@@ -72,3 +72,17 @@ def test_page_on_a_local_cluster(client):
 def test_page_on_a_dask_scheduler_started_with_preload(tmp_path):
     with dask_cli_cluster(tmp_path, ["ps=1", "ps=1", "worker=1"], ["--preload", "daskps.dashboard"]) as client:
         check_page(client)
+
+
+def test_page_shows_each_embedding_table_per_server(client):
+    strategy = dps.ParameterServerStrategy(client)
+    with strategy.scope():
+        table = dps.EmbeddingTable(2, name="items_on_page", capacity=6)
+    dps.embedding_lookup(table, np.arange(30))
+    counts = table.stats()
+    tasks = [h.server.task_id for h in table.handles]
+    text = page_text(dashboard_base(client), want="items_on_page")
+    section = text.split("Embedding tables", 1)[1]
+    for task, c in zip(tasks, counts):
+        assert f"items_on_page ps {task} {c['rows']:,} {c['admitted']:,} {c['evicted']:,}" in section
+    assert sum(c["rows"] for c in counts) == 6 and sum(c["evicted"] for c in counts) == 24

@@ -440,3 +440,19 @@ def test_the_key_index_matches_a_dict_through_inserts_deletes_and_rebuilds():
                 del want[k]
         assert len(index) == len(want)
     assert sorted(index.rows().tolist()) == sorted(want.values())
+
+
+def test_reprs_and_server_stats_show_rows_admitted_and_evicted_per_server(strategy):
+    with strategy.scope():
+        table = dps.EmbeddingTable(2, name="shown", capacity=4, admit_after=2)
+    for _ in range(2):
+        dps.embedding_lookup(table, np.arange(20))
+    counts = table.stats()
+    assert sum(c["admitted"] for c in counts) == 20 and sum(c["rows"] for c in counts) == 4
+    assert sum(c["evicted"] for c in counts) == 16
+    html = table._repr_html_()
+    for c in counts:
+        assert f"<td>{c['rows']:,}</td><td>{c['admitted']:,}</td><td>{c['evicted']:,}</td>" in html
+    on_servers = [s["counts"] for s in strategy.ps_stats()]
+    mine = [next(v for k, v in c.items() if k.startswith("shown@")) for c in on_servers]
+    assert mine == counts

@@ -113,15 +113,12 @@ class HashTable(Table):
         return self.lookup(keys)
 
     def _special(self, what: str) -> np.ndarray:
-        live = np.flatnonzero(self._live)
-        order = live[np.argsort(self._key[live], kind="stable")]  # by key: the same on every call
-        if what == KEYS:
-            return self._key[order]
-        if what == ROWS:
-            return self._values[order]
+        if what in (KEYS, ROWS):
+            live = np.flatnonzero(self._live)
+            order = live[np.argsort(self._key[live], kind="stable")]  # by key: the same on every call
+            return self._key[order] if what == KEYS else self._values[order]
         if what == STATS:
-            return np.array([len(live), self.admitted, self.evicted, self.dropped, len(self._sightings),
-                             self.steps], np.int64)
+            return np.array(list(self.counts().values()), np.int64)
         if what == EVICT:
             return np.array(self.evict(), np.int64)
         raise ValueError(f"embedding table {self.name!r} has no read {what!r}")
@@ -286,6 +283,12 @@ class HashTable(Table):
         self._used[rows[held]] = self.clock
 
     # -- sizes ---------------------------------------------------------------------
+    def counts(self) -> dict[str, int]:
+        """``STAT_FIELDS``: rows held, admitted and evicted so far, gradient rows dropped, keys pending, steps."""
+        values = (int(np.count_nonzero(self._live)), self.admitted, self.evicted, self.dropped,
+                  len(self._sightings), self.steps)
+        return dict(zip(STAT_FIELDS, values))
+
     def info(self) -> tuple[str, tuple[int, ...], str]:
         return self.name, (int(np.count_nonzero(self._live)), self.spec.dim), self.dtype.str
 

@@ -186,6 +186,7 @@ class ServerStats(NamedTuple):
     uptime: float
     calls: dict[str, int]
     variables: dict[str, TableInfo]
+    counts: dict[str, dict[str, int]]  # per table with counters of its own (hash tables): rows, admitted...
 
     def as_dict(self) -> dict[str, object]:
         """As ``strategy.ps_stats()`` shows it: a dict, each table as ``(name, shape, dtype)``."""

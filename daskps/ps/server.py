@@ -294,6 +294,7 @@ class ParameterServer:
             uptime=time.time() - self.started,
             calls=dict(self.calls),
             variables={k: ops.TableInfo(*t.info()) for k, t in self._tables.items()},
+            counts={k: c for k, t in self._tables.items() if (c := t.counts())},
         )
 
 

@@ -73,6 +73,10 @@ class Table(abc.ABC):
     def nbytes(self) -> int:
         """Bytes of the values."""
 
+    def counts(self) -> dict[str, int]:
+        """Counters of this table's own for stats and the dashboard (none for a dense table)."""
+        return {}
+
     def slot_nbytes(self) -> int:
         """Bytes of the optimizers' slots."""
         return sum(a.nbytes for s in self.slots.values() for a in transforms.slot_arrays(s).values())

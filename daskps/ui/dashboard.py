@@ -82,10 +82,27 @@ def page_html(rows: list[dict[str, Any]], rates: dict[str, tuple[float, float]],
     return (
         "<h3>daskps parameter servers</h3>" + note
         + f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+        + _hash_tables_html(rows)
         + "<h3>Trainers</h3>"
         + f"<table><thead><tr>{thead}</tr></thead><tbody>{''.join(trainers)}</tbody></table>"
         + f"<p style='color:#777'>updated {time.strftime('%H:%M:%S')}</p>"
     )
+
+
+def _hash_tables_html(rows: list[dict[str, Any]]) -> str:
+    """Each embedding table's part on each server: rows held, admitted, evicted, gradients dropped."""
+    fields = ("rows", "admitted", "evicted", "dropped", "pending")
+    body = []
+    for r in rows:
+        for key, counts in sorted(r.get("counts", {}).items()):
+            name = r["variables"][key][0] if key in r.get("variables", {}) else key
+            cells = [name, f"ps {r['task']}", *(f"{counts.get(f, 0):,}" for f in fields)]
+            body.append("<tr>" + "".join(_cell(c) for c in cells) + "</tr>")
+    if not body:
+        return ""
+    head = "".join(f"<th style='text-align:left;padding:2px 12px'>{h}</th>" for h in (
+        "embedding table", "server", "rows held", "admitted", "evicted", "gradient rows dropped", "pending keys"))
+    return f"<h3>Embedding tables</h3><table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
 
 def daskps_doc(scheduler: Any, extra: Any, doc: Any) -> None:

@@ -109,6 +109,22 @@ def sharded_html(sv: Any) -> str:
     )
 
 
+def embedding_table_html(table: Any) -> str:
+    """An EmbeddingTable: its settings, and per server the rows it holds and what came and went."""
+    rows = []
+    for handle, counts in zip(table.handles, table.stats()):
+        server = handle.server
+        rows.append([server.device, "this process" if server.is_local else server.address,
+                     *(f"{counts[f]:,}" for f in ("rows", "admitted", "evicted", "dropped", "pending"))])
+    rules = f"admit_after={table.admit_after} evict_after_steps={table.evict_after_steps} capacity={table.capacity}"
+    return (
+        f"<div><strong>daskps.EmbeddingTable</strong> {html.escape(table.name)} dim={table.dim} "
+        f"dtype={table.dtype} {html.escape(rules)}"
+        + _table(["device", "address", "rows held", "admitted", "evicted", "gradient rows dropped", "pending keys"],
+                 rows) + "</div>"
+    )
+
+
 def coordinator_html(s: dict[str, Any]) -> str:
     """A coordinator's ``summary()`` as HTML."""
     rows = [[s["scheduled"], s["in_flight"], s["done"], s["failed"], s["cancelled"], f"{s['per_second']:.1f}"]]

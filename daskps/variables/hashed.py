@@ -126,8 +126,15 @@ class EmbeddingTable:
         if self._parts[0].server.is_local and refs.scheduling():
             raise ValueError(f"embedding table {self._name!r} was created outside strategy.scope(), so it lives "
                              "in this process only; create it inside `with strategy.scope():`")
-        return (_rebuild, (self._parts, self._dim, self._dtype.str, self._key_dtype.str, self._name, self._rules,
+        return (EmbeddingTable._rebuilt, (self._parts, self._dim, self._dtype.str, self._key_dtype.str, self._name, self._rules,
                            self._strategy_token))
+
+    @staticmethod
+    def _rebuilt(parts: list[Ref], dim: int, dtype: str, key_dtype: str, name: str, rules: tuple,
+                 token: str | None) -> EmbeddingTable:
+        table = object.__new__(EmbeddingTable)
+        table._setup(parts, dim, np.dtype(dtype), np.dtype(key_dtype), name, rules, token)
+        return table
 
     # -- properties ----------------------------------------------------------------
     @property
@@ -189,12 +196,13 @@ class EmbeddingTable:
 
     def lookup(self, ids: Any) -> np.ndarray:
         """Rows of ``ids`` (any shape): ``ids.shape + (dim,)``; one call per server, all at once."""
-        items, assemble = self._row_plan(ids)
+        items, assemble = self.row_plan(ids)
         return assemble(protocol.read([(part.handle, keys) for part, keys in items]))
 
-    def _row_plan(self, ids: Any) -> tuple[list[tuple[_Part, np.ndarray]], Callable[[list], np.ndarray]]:
+    def row_plan(self, ids: Any) -> tuple[list[tuple[_Part, np.ndarray]], Callable[[list], np.ndarray]]:
         """What to read for rows ``ids`` (each distinct key once, from its part), and how to assemble
-        them: as :func:`daskps.variables.rows.plan_rows` does for tables of fixed rows."""
+        them: as :func:`daskps.variables.rows.plan_rows` does for tables of fixed rows (used by
+        :func:`daskps.read_values`)."""
         keys = self.keys_of(ids)
         uniq, inverse = np.unique(keys.ravel(), return_inverse=True)
         touched = [(p, w) for p, w in enumerate(self.split(uniq)) if len(w)]
@@ -232,6 +240,11 @@ class EmbeddingTable:
         keys ``pending`` admission, and gradient ``steps``."""
         return [dict(zip(STAT_FIELDS, (int(x) for x in s))) for s in self._each(STATS)]
 
+    def _repr_html_(self) -> str:
+        from daskps.ui.display import embedding_table_html
+
+        return embedding_table_html(self)
+
     def __repr__(self) -> str:
         where = "this process" if self._parts[0].server.is_local else f"{len(self._parts)} parameter servers"
         return f"<daskps.EmbeddingTable {self._name!r} dim={self._dim} dtype={self._dtype} on {where}>"
@@ -239,10 +252,3 @@ class EmbeddingTable:
 
 class _Part(NamedTuple):
     handle: Ref
-
-
-def _rebuild(parts: list[Ref], dim: int, dtype: str, key_dtype: str, name: str, rules: tuple,
-             token: str | None) -> EmbeddingTable:
-    table = object.__new__(EmbeddingTable)
-    table._setup(parts, dim, np.dtype(dtype), np.dtype(key_dtype), name, rules, token)
-    return table

@@ -402,7 +402,7 @@ def _is_row_read(node: Any) -> bool:
     string (an activation's name) are part of the parameter tree instead.
     """
     if not (type(node) is tuple and len(node) == 2
-            and (isinstance(node[0], (Variable, ShardedVariable)) or hasattr(node[0], "_row_plan"))):
+            and (isinstance(node[0], (Variable, ShardedVariable)) or hasattr(node[0], "row_plan"))):
         return False
     leaves = trees.flatten(node[1])[1]
     return all(x is not None and not isinstance(x, (Variable, ShardedVariable, str, bytes)) for x in leaves)
@@ -411,8 +411,8 @@ def _is_row_read(node: Any) -> bool:
 def _plan(v: Any) -> tuple[list[tuple[Variable, Any]], Any]:
     if isinstance(v, tuple) and len(v) == 2:
         table, ids = v
-        if hasattr(table, "_row_plan"):  # an EmbeddingTable
-            return table._row_plan(ids)
+        if hasattr(table, "row_plan"):  # an EmbeddingTable
+            return table.row_plan(ids)
         shards = shards_of(table)
         offsets = table.row_offsets if isinstance(table, ShardedVariable) else (0, table.shape[0] if table.shape else 0)
         return rows.plan_rows(shards, offsets, ids, table.name)
