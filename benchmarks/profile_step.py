@@ -48,7 +48,7 @@ def _cpu(pids: dict[str, int]) -> dict[str, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", default="dense", choices=["dispatch", "dense", "dense_jax", "ctr", "small"])
+    parser.add_argument("--workload", default="dense", choices=["dispatch", "dense", "dense_jax", "ctr", "ctr_hash", "small"])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--ps", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2)

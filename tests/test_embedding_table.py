@@ -78,9 +78,9 @@ class Part:
         summed: dict[int, np.ndarray] = {}
         for k, g in zip(keys, values):
             if k not in self.rows:
-                self.dropped += 1
                 continue
             summed[k] = summed.get(k, np.zeros(DIM, np.float32)) + g
+        self.dropped += len(set(keys) - set(self.rows))  # distinct keys without a row
         for k, g in summed.items():
             row = self.rows[k]
             row["acc"] = row["acc"] + np.square(g)

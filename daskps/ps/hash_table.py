@@ -18,7 +18,8 @@ reference written from this text):
 - **Admission.** A lookup counts one *sighting* of each distinct key it
   names that has no row. At its ``admit_after``-th sighting the key gets a
   row, made by the initializer; before that a lookup reads zeros for it and
-  gradients for it are dropped (counted in ``dropped``).
+  gradients for it are dropped (``dropped`` counts, per gradient, the
+  distinct keys dropped: a gradient's repeated keys are summed first).
 - **Capacity.** After a lookup makes rows, while the part holds more than
   its share of ``capacity``, it removes the row with the oldest use clock,
   the smallest key first among equals.
@@ -39,11 +40,12 @@ from fsspec import AbstractFileSystem
 from daskps._core import ckpt_io, transforms
 from daskps._core.arrays import call_initializer
 from daskps._core.transforms import Transform
-from daskps.ps.hashing import KeyIndex, server_of
+from daskps.ps.hashing import KeyIndex, mix, server_of
 from daskps.ps.tables import Staged, Table
 
 # Reads that are not lookups: what ``read`` answers for these names.
 KEYS, ROWS, STATS, EVICT = "keys", "rows", "stats", "evict"
+_RECENT = 4  # lookups whose rows a part keeps for the gradients that follow
 STAT_FIELDS = ("rows", "admitted", "evicted", "dropped", "pending", "steps")
 
 
@@ -99,6 +101,7 @@ class HashTable(Table):
         self._free = np.zeros(0, np.int64)  # arena rows to reuse, used last first
         self._top = 0  # arena rows ever handed out
         self._sightings: dict[int, int] = {}
+        self._recent: list[tuple[np.ndarray, np.ndarray]] = []  # the last lookups' (keys, rows)
         self.clock = self.steps = 0
         self.admitted = self.evicted = self.dropped = 0
 
@@ -125,18 +128,23 @@ class HashTable(Table):
 
     def lookup(self, keys: np.ndarray) -> np.ndarray:
         """Rows of distinct ``keys``: made on first (admitted) sight; zeros for keys not admitted."""
-        if len(np.unique(keys)) != len(keys):
+        rows = self._index.find(keys, self._mine(keys))
+        held = rows >= 0
+        if held.all():  # the usual case once a model warms up
+            self.clock += 1
+            self._used[rows] = self.clock
+            self._remember(keys, rows)
+            return self._values[rows]
+        new = np.flatnonzero(~held)
+        if len(np.unique(keys[new])) != len(new):
             raise ValueError(f"ids sent to a part of embedding table {self.name!r} must be distinct")
-        self._check_mine(keys)
-        rows = self._index.find(keys)
-        new = np.flatnonzero(rows < 0)
         admit = self._admissions(keys[new])
         made_keys = keys[new[admit]]
         made = self._initial(len(made_keys))  # may raise: nothing has changed yet
         self.clock += 1
-        self._used[rows[rows >= 0]] = self.clock
+        self._used[rows[held]] = self.clock
         out = np.zeros((len(keys), self.spec.dim), self.dtype)
-        out[rows >= 0] = self._values[rows[rows >= 0]]
+        out[held] = self._values[rows[held]]
         out[new[admit]] = made
         self._count_sightings(keys[new], admit)
         if len(made_keys):
@@ -144,12 +152,25 @@ class HashTable(Table):
             self._fit_capacity()
         return out
 
-    def _check_mine(self, keys: np.ndarray) -> None:
+    def _remember(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        """Keep the rows of a lookup whose keys all have rows: its gradient usually names the same keys."""
+        self._recent = [(keys.copy(), rows), *self._recent[:_RECENT - 1]]
+
+    def _find(self, keys: np.ndarray, mixed: np.ndarray) -> np.ndarray:
+        for seen, rows in self._recent:
+            if len(seen) == len(keys) and np.array_equal(seen, keys):
+                return rows
+        return self._index.find(keys, mixed)
+
+    def _mine(self, keys: np.ndarray) -> np.ndarray:
+        """``mix(keys)``, having checked that every key belongs to this part."""
+        mixed = mix(keys)
         if self.spec.parts > 1 and len(keys):
-            wrong = server_of(keys, self.spec.parts) != self.spec.part
+            wrong = (mixed % np.uint64(self.spec.parts)).astype(np.int64) != self.spec.part
             if wrong.any():
                 raise ValueError(f"key {keys[wrong][0]} does not belong to part {self.spec.part} of "
                                  f"embedding table {self.name!r}")
+        return mixed
 
     def _admissions(self, keys: np.ndarray) -> np.ndarray:
         """Which of the row-less ``keys`` this sighting admits (nothing changes here)."""
@@ -183,6 +204,7 @@ class HashTable(Table):
 
     # -- rows in and out -----------------------------------------------------------
     def _add(self, keys: np.ndarray, values: np.ndarray) -> None:
+        self._recent = []  # rows are about to move
         rows = self._allocate(len(keys))
         self._values[rows] = values
         self._key[rows], self._used[rows], self._updated[rows] = keys, self.clock, self.steps
@@ -216,6 +238,7 @@ class HashTable(Table):
 
     def _remove(self, rows: np.ndarray) -> int:
         if len(rows):
+            self._recent = []
             self._index.delete(self._key[rows])
             self._live[rows] = False
             self._free = np.concatenate([self._free, rows])
@@ -255,7 +278,7 @@ class HashTable(Table):
         if kind != "rows" or not isinstance(gradient, tuple) or len(gradient) != 2:
             raise TypeError(f"gradients for embedding table {self.name!r} must be IndexedSlices(values, keys)")
         keys = check_keys(gradient[0], self.name, "gradient keys", one_d=True)
-        self._check_mine(keys)
+        mixed = self._mine(keys)
         values = np.asarray(gradient[1])
         if values.dtype.kind not in "biuf" or not np.can_cast(values.dtype, self.dtype, "same_kind"):
             raise TypeError(f"gradient values for embedding table {self.name!r} must be castable to "
@@ -263,24 +286,25 @@ class HashTable(Table):
         if values.shape != (len(keys), self.spec.dim):
             raise ValueError(f"gradient values for embedding table {self.name!r} must have shape "
                              f"{(len(keys), self.spec.dim)}, got {values.shape}")
-        return "rows", (keys, values.astype(self.dtype, copy=False))
+        return "rows", (keys, values.astype(self.dtype, copy=False), mixed)
 
     def apply_gradient(self, opt_key: str, transform: Transform, checked: tuple[str, object], lazy_sparse: bool) -> None:
-        keys, values = cast(tuple[np.ndarray, np.ndarray], checked[1])
+        keys, values, mixed = cast(tuple[np.ndarray, np.ndarray, np.ndarray], checked[1])
         self.steps += 1
         self.clock += 1
-        rows = self._index.find(keys)
+        rows = self._find(keys, mixed)
         held = rows >= 0
-        self.dropped += int(np.count_nonzero(~held))
+        if not held.all():
+            self.dropped += int(np.count_nonzero(~held))
+            rows, values = rows[held], values[held]
         self._transforms[opt_key] = transform
         state = self.slots.get(opt_key)
         if state is None:
             state = transform.init(self._values)
         # Always row-local: a hash table has no dense form to scatter into.
-        self.slots[opt_key] = transforms.apply_gradient(transform, self._values, state, "rows",
-                                                        (rows[held], values[held]), True)
-        self._updated[rows[held]] = self.steps
-        self._used[rows[held]] = self.clock
+        self.slots[opt_key] = transforms.apply_gradient(transform, self._values, state, "rows", (rows, values), True)
+        self._updated[rows] = self.steps
+        self._used[rows] = self.clock
 
     # -- sizes ---------------------------------------------------------------------
     def counts(self) -> dict[str, int]:

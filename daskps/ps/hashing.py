@@ -28,6 +28,8 @@ import numpy as np
 
 _M1, _M2, _GOLDEN = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
 _EMPTY, _DELETED = -1, -2
+_WINDOW = 8  # positions after a key's home read at once when its chain goes on
+_STEPS = np.arange(1, _WINDOW + 1)
 
 
 def mix(keys: np.ndarray) -> np.ndarray:
@@ -63,31 +65,50 @@ class KeyIndex:
     def nbytes(self) -> int:
         return int(self._rows.nbytes)
 
-    def _home(self, keys: np.ndarray) -> np.ndarray:
+    def _home(self, keys: np.ndarray, mixed: np.ndarray | None = None) -> np.ndarray:
         # Bits above those that pick the server, so keys of one server still spread here.
-        return ((mix(keys) >> np.uint64(20)) & np.uint64(len(self._rows) - 1)).astype(np.int64)
+        mixed = mix(keys) if mixed is None else mixed
+        return ((mixed >> np.uint64(20)) & np.uint64(len(self._rows) - 1)).astype(np.int64)
 
-    def _probe(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """For each key: its position (or -1) and its row (or -1)."""
+    def _probe(self, keys: np.ndarray, mixed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """For each key: its position (or -1) and its row (or -1).
+
+        Every key's home position first; then, for the few keys whose chains
+        go on (at most half the positions are used), the next ``_WINDOW``
+        positions at once; the rare chains longer than that step by step.
+        """
         mask = len(self._rows) - 1
-        pos = self._home(keys)
-        where = np.full(len(keys), -1, np.int64)
-        todo = np.arange(len(keys))
-        while todo.size:
-            p = pos[todo]
-            rows = self._rows[p]
-            hit = rows >= 0
-            hit[hit] = self._key_at(rows[hit]) == keys[todo[hit]]
-            where[todo[hit]] = p[hit]
-            go_on = ~hit & (rows != _EMPTY)
-            todo = todo[go_on]
-            pos[todo] = (p[go_on] + 1) & mask
-        rows = np.where(where >= 0, self._rows[np.maximum(where, 0)], -1)
-        return where, rows.astype(np.int64)
+        pos = self._home(keys, mixed)
+        rows = self._rows[pos]
+        hit = rows >= 0
+        hit[hit] = self._key_at(rows[hit]) == keys[hit]
+        where = np.where(hit, pos, -1)
+        todo = np.flatnonzero(~hit & (rows != _EMPTY))
+        if todo.size:
+            window = (pos[todo, None] + _STEPS) & mask
+            rows = self._rows[window]
+            match = rows >= 0
+            match[match] = self._key_at(rows[match]) == np.broadcast_to(keys[todo, None], rows.shape)[match]
+            ended = rows == _EMPTY
+            first_match = np.where(match.any(axis=1), match.argmax(axis=1), _WINDOW)
+            first_end = np.where(ended.any(axis=1), ended.argmax(axis=1), _WINDOW)
+            found = first_match < first_end
+            where[todo[found]] = window[found, first_match[found]]
+            longer = (first_match == _WINDOW) & (first_end == _WINDOW)
+            todo, pos = todo[longer], (window[longer, -1] + 1) & mask
+            while todo.size:
+                rows = self._rows[pos]
+                hit = rows >= 0
+                hit[hit] = self._key_at(rows[hit]) == keys[todo[hit]]
+                where[todo[hit]] = pos[hit]
+                go_on = ~hit & (rows != _EMPTY)
+                todo, pos = todo[go_on], (pos[go_on] + 1) & mask
+        found_rows = np.where(where >= 0, self._rows[np.maximum(where, 0)], -1)
+        return where, found_rows.astype(np.int64)
 
-    def find(self, keys: np.ndarray) -> np.ndarray:
-        """The row of each key, -1 where absent."""
-        return self._probe(np.asarray(keys, np.int64))[1]
+    def find(self, keys: np.ndarray, mixed: np.ndarray | None = None) -> np.ndarray:
+        """The row of each key, -1 where absent (``mixed``: ``mix(keys)``, if already at hand)."""
+        return self._probe(np.asarray(keys, np.int64), mixed)[1]
 
     def insert(self, keys: np.ndarray, rows: np.ndarray) -> None:
         """Add distinct ``keys``, none of them present, at ``rows`` (where ``key_at`` already finds them)."""

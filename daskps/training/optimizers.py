@@ -395,8 +395,9 @@ def _table_gradient(table: EmbeddingTable, grad: Any) -> tuple[np.ndarray, np.nd
 def _split_gradient(var: Any, kind: str, payload: Any) -> list[tuple[Any, str, Any]]:
     """``(handle, kind, payload)`` for each shard (or part) of ``var``."""
     if isinstance(var, EmbeddingTable):
-        # Every part gets its part, even an empty one: all parts count the same steps.
-        keys, values = payload
+        # Repeated keys summed here (each part gets distinct keys, in order: as its lookups send them);
+        # every part gets its part, even an empty one: all parts count the same steps.
+        keys, values = transforms.sum_rows(*payload)
         return [(h, "rows", (keys[w], values[w])) for h, w in zip(var.handles, var.split(keys))]
     if isinstance(var, Variable):
         return [(var.handle, kind, payload)]
