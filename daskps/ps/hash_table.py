@@ -46,6 +46,7 @@ from daskps.ps.tables import Staged, Table
 # Reads that are not lookups: what ``read`` answers for these names.
 KEYS, ROWS, STATS, EVICT = "keys", "rows", "stats", "evict"
 _RECENT = 4  # lookups whose rows a part keeps for the gradients that follow
+_NEVER = np.iinfo(np.int64).max  # the use clock of an arena row that holds no key: never the least recent
 STAT_FIELDS = ("rows", "admitted", "evicted", "dropped", "pending", "steps")
 
 
@@ -98,6 +99,7 @@ class HashTable(Table):
         self._used = np.zeros(0, np.int64)  # use clock of the last lookup or gradient
         self._updated = np.zeros(0, np.int64)  # step of the last update
         self._live = np.zeros(0, bool)
+        self._n_live = 0
         self._free = np.zeros(0, np.int64)  # arena rows to reuse, used last first
         self._top = 0  # arena rows ever handed out
         self._sightings: dict[int, int] = {}
@@ -209,6 +211,7 @@ class HashTable(Table):
         self._values[rows] = values
         self._key[rows], self._used[rows], self._updated[rows] = keys, self.clock, self.steps
         self._live[rows] = True
+        self._n_live += len(rows)
         for opt_key, state in list(self.slots.items()):
             fresh = self._transforms[opt_key].init(self._values[rows])
             for field, value in transforms.slot_arrays(fresh).items():
@@ -222,16 +225,20 @@ class HashTable(Table):
         fresh = np.arange(self._top, self._top + n - len(reuse))
         self._top += len(fresh)
         if self._top > len(self._values):
-            self._grow(max(self._top, 2 * len(self._values), 64))
+            share = self.spec.capacity
+            if share is None:  # unbounded: double
+                self._grow(max(self._top, 2 * len(self._values), 64))
+            else:  # bounded: the share, a little room for one lookup's new rows, and no more
+                self._grow(max(self._top, share + max(1024, share // 32)))
         return np.concatenate([reuse, fresh]).astype(np.int64)
 
     def _grow(self, size: int) -> None:
-        def grown(a: np.ndarray) -> np.ndarray:
-            out = np.zeros((size,) + a.shape[1:], a.dtype)
+        def grown(a: np.ndarray, fill: Any = 0) -> np.ndarray:
+            out = np.full((size,) + a.shape[1:], fill, a.dtype)
             out[: len(a)] = a
             return out
 
-        self._values, self._key, self._used = grown(self._values), grown(self._key), grown(self._used)
+        self._values, self._key, self._used = grown(self._values), grown(self._key), grown(self._used, _NEVER)
         self._updated, self._live = grown(self._updated), grown(self._live)
         self.slots = {k: s._replace(**{f: grown(a) for f, a in transforms.slot_arrays(s).items()})
                       for k, s in self.slots.items()}
@@ -241,22 +248,24 @@ class HashTable(Table):
             self._recent = []
             self._index.delete(self._key[rows])
             self._live[rows] = False
+            self._used[rows] = _NEVER
+            self._n_live -= len(rows)
             self._free = np.concatenate([self._free, rows])
             self.evicted += len(rows)
         return len(rows)
 
     def _fit_capacity(self) -> None:
+        """Remove the least recently used rows (smallest key first among equals) down to the share."""
         share = self.spec.capacity
-        live = np.flatnonzero(self._live)
-        over = len(live) - share if share is not None else 0
+        over = self._n_live - share if share is not None else 0
         if over <= 0:
             return
-        used, keys = self._used[live], self._key[live]
+        used = self._used[: self._top]  # rows holding no key have _NEVER
         cut = np.partition(used, over - 1)[over - 1]  # the use clock of the last row to go
-        older = live[used < cut]
+        older = np.flatnonzero(used < cut)
         ties = np.flatnonzero(used == cut)
-        ties = ties[np.argsort(keys[ties], kind="stable")][: over - len(older)]
-        self._remove(np.concatenate([older, live[ties]]))
+        ties = ties[np.argsort(self._key[ties], kind="stable")][: over - len(older)]
+        self._remove(np.concatenate([older, ties]))
 
     def evict(self) -> int:
         """Remove rows not updated in the last ``evict_after_steps`` steps; how many went."""
@@ -309,12 +318,12 @@ class HashTable(Table):
     # -- sizes ---------------------------------------------------------------------
     def counts(self) -> dict[str, int]:
         """``STAT_FIELDS``: rows held, admitted and evicted so far, gradient rows dropped, keys pending, steps."""
-        values = (int(np.count_nonzero(self._live)), self.admitted, self.evicted, self.dropped,
+        values = (self._n_live, self.admitted, self.evicted, self.dropped,
                   len(self._sightings), self.steps)
         return dict(zip(STAT_FIELDS, values))
 
     def info(self) -> tuple[str, tuple[int, ...], str]:
-        return self.name, (int(np.count_nonzero(self._live)), self.spec.dim), self.dtype.str
+        return self.name, (self._n_live, self.spec.dim), self.dtype.str
 
     def nbytes(self) -> int:
         arrays = (self._values, self._key, self._used, self._updated, self._live, self._free)
@@ -380,7 +389,7 @@ class HashTable(Table):
         rows = np.arange(n)
         self._values[rows], self._key[rows] = got.values, got.keys
         self._updated[rows], self._used[rows], self._live[rows] = got.updated, got.used, True
-        self._top = n
+        self._top, self._n_live = n, n
         self._index.insert(got.keys, rows)
         self.steps, self.clock = got.steps, got.clock
         for opt_key, saved in staged.slots.items():
@@ -391,6 +400,7 @@ class HashTable(Table):
                       for k, a in arrays.items()}
             self.slots[opt_key] = transforms.state_from_slots(optimizers[opt_key], self._values, count, padded)
             self._transforms[opt_key] = optimizers[opt_key]
+        self._fit_capacity()  # restored into fewer servers, or a smaller capacity: the share holds
 
 
 class _Restored(NamedTuple):
