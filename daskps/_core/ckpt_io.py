@@ -63,12 +63,14 @@ class SavedSlots(NamedTuple):
 
 class RestoreSpec(NamedTuple):
     """One restore target: rows ``[start, stop)`` of a saved tensor (its manifest ``pieces``), and
-    for each optimizer key what it saved (``None``: nothing, its slots start afresh)."""
+    for each optimizer key what it saved (``None``: nothing, its slots start afresh). With ``rows``,
+    those rows of the saved tensor instead, in that order (a variable saved in another row layout)."""
 
     start: int
     stop: int
     pieces: list[dict[str, Any]]
     slots: dict[str, SavedSlots | None]
+    rows: np.ndarray | None = None
 
 
 def write_piece(fs: Any, root: str, tensor: str, offset: int, array: np.ndarray) -> Written:
@@ -173,21 +175,42 @@ def read_rows(
     return out
 
 
+def read_rows_at(fs: Any, root: str, rows: np.ndarray, pieces: list[dict], row_shape: tuple,
+                 dtype: np.dtype) -> np.ndarray:
+    """Rows ``rows`` (any order) of a tensor stored as ``pieces``: from each piece, the span it must
+    read to cover the rows it holds."""
+    out = np.empty((len(rows),) + tuple(row_shape), dtype)
+    covered = np.zeros(len(rows), bool)
+    for p in pieces:
+        mine = (rows >= p["offset"]) & (rows < p["offset"] + p["rows"])
+        if mine.any():
+            local = rows[mine] - p["offset"]
+            lo, hi = int(local.min()), int(local.max()) + 1
+            block = _read_npy_rows(fs, piece_path(root, p["file"]), lo, hi, piece=p)
+            out[mine] = block[local - lo]
+            covered |= mine
+    if not covered.all():
+        raise ValueError(f"checkpoint pieces do not hold rows {rows[~covered][:5].tolist()}")
+    return out
+
+
 def load_target(fs: Any, root: str, spec: RestoreSpec, shape: tuple,
                 dtype: np.dtype) -> tuple[np.ndarray, dict[str, tuple[int, dict[str, np.ndarray]] | None]]:
     """Read one restore target: its rows, and the slots of each optimizer named in ``spec``.
 
     Returns the value (of ``shape``) and ``{opt_key: (count, {slot: array}) or None}``.
     """
-    value = read_rows(fs, root, spec.start, spec.stop, spec.pieces, shape[1:], dtype).reshape(shape)
+    def read(pieces: list[dict]) -> np.ndarray:
+        if spec.rows is not None:
+            return read_rows_at(fs, root, np.asarray(spec.rows), pieces, shape[1:], dtype).reshape(shape)
+        return read_rows(fs, root, spec.start, spec.stop, pieces, shape[1:], dtype).reshape(shape)
+
+    value = read(spec.pieces)
     slots: dict[str, tuple[int, dict[str, np.ndarray]] | None] = {}
     for opt_key, saved in spec.slots.items():
         if saved is None:
             slots[opt_key] = None
             continue
-        arrays = {
-            slot: read_rows(fs, root, spec.start, spec.stop, pieces, shape[1:], dtype).reshape(shape)
-            for slot, pieces in saved.pieces.items()
-        }
+        arrays = {slot: read(pieces) for slot, pieces in saved.pieces.items()}
         slots[opt_key] = (int(saved.step), arrays)
     return value, slots

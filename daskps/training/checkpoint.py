@@ -58,9 +58,10 @@ PRESERVED = "PRESERVED"  # in a checkpoint kept for good by keep_checkpoint_ever
 
 
 class _Tensor:
-    def __init__(self, parts: list[tuple[Variable, int]], slotted: bool):
+    def __init__(self, parts: list[tuple[Variable, int]], slotted: bool, layout: str = "div"):
         self.parts = parts
         self.slotted = slotted
+        self.layout = layout  # "mod": the pieces (at offsets in shard order) hold rows i, i + n, ...
         first = parts[0][0]
         self.dtype = first.dtype
         rows = sum(v.shape[0] for v, _ in parts) if first.shape else None
@@ -98,6 +99,23 @@ def _renumber(saved: dict[str, dict], tables: list[str]) -> None:
                 at += piece["rows"]
 
 
+def _saved_rows(t: _Tensor, part: int, start: int, stop: int, entry: dict) -> np.ndarray | None:
+    """Where part ``part``'s rows (``start:stop`` in shard order) lie in the saved tensor's pieces,
+    when the layouts differ; ``None`` when they are the same rows ``start:stop``."""
+    saved_layout = entry.get("layout", ["div"])
+    if t.layout == "div" and saved_layout[0] == "div":
+        return None
+    rows = (np.arange(start, stop) if t.layout == "div"
+            else np.arange(part, t.shape[0], len(t.parts)))  # the part's rows of the whole
+    if saved_layout[0] == "mod":
+        n = saved_layout[1]
+        offsets = np.cumsum([0] + [t.shape[0] // n + (i < t.shape[0] % n) for i in range(n)])
+        rows = offsets[rows % n] + rows // n
+    if len(rows) and rows[0] == start and np.array_equal(rows, np.arange(start, start + len(rows))):
+        return None
+    return rows
+
+
 def _table_problems(name: str, t: _Table, saved: dict, slots_of: dict) -> list[str]:
     missing = [name + s for s in SAVED_TENSORS if name + s not in saved]
     if missing:
@@ -128,7 +146,7 @@ def _collect(objects: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Optimiz
         if isinstance(obj, EmbeddingTable):
             tensors[path] = _Table(obj)  # type: ignore[assignment]
         elif isinstance(obj, ShardedVariable):
-            tensors[path] = _Tensor(list(zip(obj.variables, obj.row_offsets)), slotted=True)
+            tensors[path] = _Tensor(list(zip(obj.variables, obj.row_offsets)), slotted=True, layout=obj.layout)
         elif isinstance(obj, Variable):
             tensors[path] = _Tensor([(obj, 0)], slotted=True)
         elif isinstance(obj, Optimizer):
@@ -205,6 +223,11 @@ class Checkpoint:
         records = _with_progress(run, f"saving {path}", nbytes, fs, root) if show else run()
         saved = _tensors(records)
         _renumber(saved, [name for name, t in tensors.items() if isinstance(t, _Table)])
+        for name, t in tensors.items():
+            if isinstance(t, _Tensor) and t.layout == "mod":  # the variable's pieces and its slots'
+                for tensor, entry in saved.items():
+                    if tensor == name or tensor.startswith(f"{name}/{ckpt_io.SLOT}/"):
+                        entry["layout"] = ["mod", len(t.parts)]
         manifest = {"format": "daskps-checkpoint/1", "save_counter": self.save_counter, "time": time.time(),
                     "tensors": saved}
         fs.pipe_file(f"{root}/{MANIFEST}.tmp", json.dumps(manifest, indent=1).encode())
@@ -253,13 +276,14 @@ class Checkpoint:
                 items += [(part.handle, spec) for part, _ in t.parts
                           if servers is None or part.handle.server in servers]
                 continue
-            for v, offset in t.parts:
+            for i, (v, offset) in enumerate(t.parts):
                 if servers is not None and v.handle.server not in servers:
                     continue
                 stop = offset + (v.shape[0] if v.shape else 1)
                 slots = ({o.server_key: _saved_slots(slots_of, saved[name], name, p) for p, o in optimizers.items()}
                          if t.slotted else {})
-                items.append((v.handle, ckpt_io.RestoreSpec(offset, stop, saved[name]["pieces"], slots)))
+                at = _saved_rows(t, i, offset, stop, saved[name])
+                items.append((v.handle, ckpt_io.RestoreSpec(offset, stop, saved[name]["pieces"], slots, at)))
         protocol.restore(path, items)
         manifest["restored"] = {name: [v.handle.key for v, _ in t.parts] for name, t in tensors.items()}
         return manifest
@@ -330,6 +354,10 @@ def _checked_manifest(raw: bytes, where: str) -> dict:
         shape, pieces = entry["shape"], entry["pieces"]
         if dtype.hasobject or not isinstance(shape, list) or not all(count(d) for d in shape):
             raise bad(f"tensor {name!r}: dtype {dtype} / shape {shape!r} cannot be a variable's")
+        layout = entry.get("layout", ["div"])
+        if not (layout == ["div"] or (isinstance(layout, list) and len(layout) == 2 and layout[0] == "mod"
+                                      and count(layout[1]) and layout[1] >= 1)):
+            raise bad(f"tensor {name!r}: layout {layout!r} is not ['div'] or ['mod', shards]")
         if entry.get("step") is not None and not count(entry["step"]):
             raise bad(f"tensor {name!r}: step {entry['step']!r} is not a non-negative int")
         steps = entry.get("steps", {})

@@ -402,8 +402,10 @@ def _split_gradient(var: Any, kind: str, payload: Any) -> list[tuple[Any, str, A
     if isinstance(var, Variable):
         return [(var.handle, kind, payload)]
     if kind == "dense":
-        return [(v.handle, "dense", payload[a:b])
-                for v, a, b in zip(var.variables, var.row_offsets, var.row_offsets[1:])]
+        laid = var.in_shard_order(payload)
+        return [(v.handle, "dense", laid[a:b]) for v, a, b in zip(var.variables, var.row_offsets, var.row_offsets[1:])]
     # Every shard gets its part, even an empty one, so that all shards count the same
     # steps and Adam's bias correction does not depend on the sharding.
-    return [(v.handle, "rows", part) for v, part in zip(var.variables, rows.split_rows(var.row_offsets, *payload))]
+    idx, values = payload
+    parts = rows.split_rows(var.row_offsets, var.physical(idx), values)
+    return [(v.handle, "rows", part) for v, part in zip(var.variables, parts)]

@@ -100,8 +100,9 @@ def variable_html(v: Any) -> str:
 
 
 def sharded_html(sv: Any) -> str:
-    spans = zip(sv.variables, sv.row_offsets, sv.row_offsets[1:])
-    rows = [[v.name, f"{a}:{b}", format_bytes(v.nbytes), v.device, _where(v)] for v, a, b in spans]
+    n, offsets = len(sv.variables), sv.row_offsets
+    spans = [f"{offsets[i]}:{offsets[i + 1]}" if sv.layout == "div" else f"{i}::{n}" for i in range(n)]
+    rows = [[v.name, span, format_bytes(v.nbytes), v.device, _where(v)] for v, span in zip(sv.variables, spans)]
     return (
         f"<div><strong>daskps.ShardedVariable</strong> {html.escape(sv.name)} shape={sv.shape} "
         f"dtype={sv.dtype} ({format_bytes(sv.nbytes)} in {len(rows)} shards)"

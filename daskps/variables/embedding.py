@@ -44,7 +44,7 @@ def embedding_lookup(params: Any, ids: Any, max_norm: float | None = None, name:
     if isinstance(params, EmbeddingTable):
         found = params.lookup(ids)
     elif isinstance(params, ShardedVariable):
-        found = rows.gather_rows(params.variables, params.row_offsets, ids, params.name, arg="ids")
+        found = rows.read_plan(*params.row_plan(ids, "ids"))
     elif isinstance(params, Variable):
         found = rows.gather_rows([params], (0, params.shape[0] if params.shape else 0), ids, params.name, arg="ids")
     else:

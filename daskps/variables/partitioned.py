@@ -22,6 +22,8 @@ def create_partitioned_variables(
     dtype: Any = np.float32,
     trainable: bool = True,
     name: str | None = None,
+    *,
+    layout: str = "div",
 ) -> list[Variable]:
     """Create the parts of a variable split along one axis; return them as a list.
 
@@ -41,6 +43,12 @@ def create_partitioned_variables(
         Used when ``initializer`` is a callable or not a numpy array.
     name : str, optional
         Parts are named ``name/part_i``; defaults to ``"PartitionedVariable"``.
+    layout : {"div", "mod"}
+        ``"mod"`` (axis 0 only; TensorFlow 1's ``partition_strategy="mod"``):
+        part ``i`` holds rows ``i, i + n, i + 2n, ...`` (an array initializer's
+        ``value[i::n]``; a callable initializer makes each part on its own,
+        called with the part's shape). Wrap the parts in
+        ``ShardedVariable(parts, layout="mod")`` to use them as one variable.
 
     Examples
     --------
@@ -59,12 +67,37 @@ def create_partitioned_variables(
     axis = int(np.argmax(slicing))
     if slicing[axis] > max(shape[axis], 1):
         raise ValueError(f"slicing asks for {slicing[axis]} parts of axis {axis}, which has {shape[axis]} rows")
+    if layout not in ("div", "mod"):
+        raise ValueError(f"layout must be 'div' or 'mod', got {layout!r}")
+    if layout == "mod" and axis != 0 and slicing[axis] > 1:
+        raise ValueError(f"layout='mod' splits axis 0 only, got slicing {slicing}")
     if not callable(initializer):
         if not isinstance(initializer, np.ndarray):
             initializer = np.asarray(initializer, dtype=dtype)
         if initializer.shape != shape:
             raise ValueError(f"initializer has shape {initializer.shape}, expected shape {shape}")
-    return _create(initializer, shape, np.dtype(dtype), axis, slicing[axis], name or "PartitionedVariable", trainable)
+    name = name or "PartitionedVariable"
+    if layout == "mod":
+        return _create_mod(initializer, shape, np.dtype(dtype), slicing[0], name, trainable)
+    return _create(initializer, shape, np.dtype(dtype), axis, slicing[axis], name, trainable)
+
+
+def _create_mod(initializer: Any, shape: tuple, dtype: np.dtype, num: int, name: str, trainable: bool) -> list[Variable]:
+    """Part ``i`` of ``num`` holds rows ``i::num``; each is made as a variable of its own (placed round robin)."""
+    shapes = [(shape[0] // num + (i < shape[0] % num),) + shape[1:] for i in range(num)]
+    values = [initializer if callable(initializer) else initializer[i::num] for i in range(num)]
+    mode = context.current_mode()
+    strategy: Any = mode.strategy
+    if strategy.variable_creator is not None and mode.replica_context is None:
+        if strategy.group is None:
+            raise RuntimeError("variables can only be created on the coordinator, not inside a scheduled function")
+        strategy.check_open("create_partitioned_variables")
+        made = placement.create(strategy.group, [
+            placement.Part(strategy.next_server(), f"{name}/part_{i}", v, s, dtype)
+            for i, (v, s) in enumerate(zip(values, shapes))], whole=(name, shape))
+        return [Variable.from_handle(p.ref, p.shape, p.dtype, trainable, strategy.token) for p in made]
+    return [Variable(v, trainable=trainable, name=f"{name}/part_{i}", dtype=dtype, shape=s)
+            for i, (v, s) in enumerate(zip(values, shapes))]
 
 
 def _create(initializer: Any, shape: tuple, dtype: np.dtype, axis: int, num: int, name: str,

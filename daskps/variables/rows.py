@@ -22,7 +22,7 @@ from daskps._core.updates import check_indices
 from daskps.ps import protocol
 from daskps.variables.arraylike import ArrayLike
 
-__all__ = ["clip_rows", "gather_rows", "getitem", "plan_rows", "split_rows"]
+__all__ = ["clip_rows", "gather_rows", "getitem", "getitem_by_rows", "plan_rows", "read_plan", "split_rows"]
 
 
 def _fetch(items: list[tuple[Any, Any]]) -> list[np.ndarray]:
@@ -58,6 +58,11 @@ def plan_rows(
         return found[inverse.ravel()].reshape(idx.shape + found.shape[1:])
 
     return items, assemble
+
+
+def read_plan(items: list[tuple[Any, Any]], assemble: Callable[[list], np.ndarray]) -> np.ndarray:
+    """Read what :func:`plan_rows` (or a table's ``row_plan``) planned, and assemble it."""
+    return assemble(_fetch(items))
 
 
 def gather_rows(
@@ -140,6 +145,26 @@ def getitem(sv: Any, index: Any) -> np.ndarray:
         rows, inverse = np.unique(np.where(first < 0, first + n, first).ravel(), return_inverse=True)
         parts[pos] = inverse.reshape(first.shape)
     return _unique_rows(shards, offsets, rows)[tuple(parts)]
+
+
+def getitem_by_rows(sv: Any, index: Any) -> np.ndarray:
+    """``sv[index]`` for a layout whose shards hold scattered rows ("mod"): axis 0's index (an int,
+    a slice, an integer or boolean array) becomes row numbers, and those rows are read; the other
+    axes' ints and slices are applied to the rows read. Any other index reads the whole value."""
+    parts = [_as_index(x) for x in (index if isinstance(index, tuple) else (index,))]
+    first, rest = parts[0], tuple(parts[1:])
+    basic_rest = all(_is_int(x) or isinstance(x, slice) for x in rest)
+    n = sv.shape[0]
+    if _is_int(first) and basic_rest:
+        row = np.arange(n)[first]  # numpy's bounds check and message
+        return read_plan(*sv.row_plan(np.array([row]), "index"))[0][rest]
+    if basic_rest and (isinstance(first, slice) or (isinstance(first, np.ndarray) and first.dtype.kind in "iub")):
+        wanted = np.arange(n)[first]
+        if wanted.size == 0:
+            return np.zeros(wanted.shape + sv.shape[1:], sv.dtype)[(slice(None),) * wanted.ndim + rest]
+        found = read_plan(*sv.row_plan(wanted, "index"))
+        return found[(slice(None),) * wanted.ndim + rest]
+    return sv.numpy()[index]
 
 
 def _get_slice(sv: Any, parts: list, pos: int, first: slice) -> np.ndarray:

@@ -24,7 +24,7 @@ import numpy as np
 
 from daskps._core import trees
 from daskps._core.arrays import check_variable_args, default_array
-from daskps._core.updates import BATCH_SCATTER, check_update
+from daskps._core.updates import BATCH_SCATTER, check_indices, check_update
 from daskps.distribute import context
 from daskps.ps import protocol, refs
 from daskps.ps.refs import Ref
@@ -202,10 +202,18 @@ class ShardedVariable(ArrayLike):
     Parameters
     ----------
     variables : list of Variable
-        The shards, in row order: same dtype, same shape past axis 0.
+        The shards: same dtype, same shape past axis 0.
     name : str
         The name of the whole (``ParameterServerStrategy`` uses the
         variable's name and names the shards ``name/part_i``).
+    layout : {"div", "mod"}
+        Which rows each shard holds. ``"div"`` (the default, TensorFlow 2's
+        only layout): consecutive blocks, shard ``i`` rows
+        ``row_offsets[i]:row_offsets[i + 1]``. ``"mod"`` (TensorFlow 1's
+        ``partition_strategy="mod"``): row ``r`` on shard ``r % n`` at local
+        row ``r // n``, so ids numbered by popularity spread evenly; the shard
+        sizes are then those of a "div" split (shard ``i`` holds
+        ``rows // n + (i < rows % n)`` rows).
 
     Examples
     --------
@@ -219,7 +227,7 @@ class ShardedVariable(ArrayLike):
     array([ 0.,  1., 12.], dtype=float32)
     """
 
-    def __init__(self, variables: list[Variable], name: str = "ShardedVariable"):
+    def __init__(self, variables: list[Variable], name: str = "ShardedVariable", *, layout: str = "div"):
         if (
             not isinstance(variables, (list, tuple))
             or not variables
@@ -234,16 +242,56 @@ class ShardedVariable(ArrayLike):
             raise ValueError(f"all variables must have rank >= 1 and equal shapes past axis 0, got {shapes}")
         if not isinstance(name, str) or not name:
             raise TypeError(f"name must be a non-empty str, got {name!r}")
+        if layout not in ("div", "mod"):
+            raise ValueError(f"layout must be 'div' or 'mod', got {layout!r}")
         self._variables = list(variables)
         self._name = name
+        self._layout = layout
         offsets = [0]
         for s in shapes:
             offsets.append(offsets[-1] + s[0])
         self._offsets = tuple(offsets)
         self._shape = (self._offsets[-1],) + shapes[0][1:]
+        n, total = len(variables), self._offsets[-1]
+        if layout == "mod" and [s[0] for s in shapes] != [total // n + (i < total % n) for i in range(n)]:
+            raise ValueError(
+                f"with layout='mod' shard i holds rows i, i + {n}, i + {2 * n}, ...: {total} rows over {n} shards "
+                f"need shards of {[total // n + (i < total % n) for i in range(n)]} rows, got {[s[0] for s in shapes]}"
+            )
 
     def __reduce__(self) -> Any:
-        return (ShardedVariable, (self._variables, self._name))
+        return (_sharded, (self._variables, self._name, self._layout))
+
+    @property
+    def layout(self) -> str:
+        """``"div"`` or ``"mod"``: which rows each shard holds."""
+        return self._layout
+
+    def physical(self, rows_: np.ndarray) -> np.ndarray:
+        """Where rows ``rows_`` (valid row numbers) sit when the shards are laid end to end: shard ``i``'s
+        rows at ``row_offsets[i]:row_offsets[i + 1]`` (for "div", the rows themselves)."""
+        if self._layout == "div":
+            return rows_
+        n = len(self._variables)
+        return np.asarray(self._offsets[:-1])[rows_ % n] + rows_ // n
+
+    def shard_rows(self, shard: int) -> range:
+        """The rows of the whole that shard ``shard`` holds, in its own order."""
+        if self._layout == "div":
+            return range(self._offsets[shard], self._offsets[shard + 1])
+        return range(shard, self._shape[0], len(self._variables))
+
+    def _order(self) -> np.ndarray:
+        """The rows of the whole in the shards' order (shard 0's rows, then shard 1's...)."""
+        return np.concatenate([np.arange(r.start, r.stop, r.step) for r in map(self.shard_rows,
+                                                                                range(len(self._variables)))])
+
+    def row_plan(self, ids: Any, arg: str = "ids") -> tuple[list[tuple[Variable, Any]], Any]:
+        """What to read for rows ``ids`` (any shape; each distinct row once, one item per shard) and how
+        to assemble them (:func:`daskps.read_values` and :func:`daskps.embedding_lookup` use it)."""
+        if self._layout == "mod":
+            ids = self.physical(check_indices(ids, self._shape[0], self._name, arg, one_d=False))
+        return rows.plan_rows(self._variables, self._offsets, ids, self._name, arg=arg)
 
     @property
     def variables(self) -> list[Variable]:
@@ -278,20 +326,38 @@ class ShardedVariable(ArrayLike):
 
     def numpy(self) -> np.ndarray:
         """The whole value: every shard read, one call per parameter server."""
-        return np.concatenate(protocol.read([(v.handle, None) for v in self._variables]), axis=0)
+        return self.from_shard_order(np.concatenate(protocol.read([(v.handle, None) for v in self._variables]), axis=0))
 
     def __getitem__(self, index: Any) -> np.ndarray:
         """``value[index]`` with numpy's semantics, reading only the rows touched."""
-        return rows.getitem(self, index)
+        if self._layout == "div":
+            return rows.getitem(self, index)
+        return rows.getitem_by_rows(self, index)
+
+    def in_shard_order(self, whole: np.ndarray) -> np.ndarray:
+        """``whole`` (an array of this variable's shape) with its rows in the shards' order."""
+        return whole if self._layout == "div" else whole[self._order()]
+
+    def from_shard_order(self, laid: np.ndarray) -> np.ndarray:
+        """The whole value from the shards' values laid end to end (undoes :meth:`in_shard_order`)."""
+        if self._layout == "div":
+            return laid
+        out = np.empty_like(laid)
+        out[self._order()] = laid
+        return out
 
     # -- updates ------------------------------------------------------------
     def _dense(self, op: str, value: Any, arg: str) -> ShardedVariable:
-        payload = check_update(self._shape, self.dtype, self._name, op, value, arg)
+        payload = self.in_shard_order(check_update(self._shape, self.dtype, self._name, op, value, arg))
         protocol.update([(v.handle, op, payload[a:b]) for v, a, b in self._spans()])
         return self
 
     def _scatter(self, op: str, payload: tuple) -> ShardedVariable:
         idx, vals = check_update(self._shape, self.dtype, self._name, op, payload)
+        if op == BATCH_SCATTER and idx.ndim > 1:
+            idx, vals = self.in_shard_order(idx), self.in_shard_order(vals)
+        else:
+            idx = self.physical(idx)
         if op == BATCH_SCATTER and idx.ndim > 1:  # batch axis 0 is the sharded axis
             items = [(v.handle, op, (idx[a:b], vals[a:b])) for v, a, b in self._spans()]
         else:
@@ -301,6 +367,8 @@ class ShardedVariable(ArrayLike):
         return self
 
     def _gather(self, indices: Any, one_d: bool = False, arg: str = "indices") -> np.ndarray:
+        if self._layout == "mod":
+            indices = self.physical(check_indices(indices, self._shape[0], self._name, arg, one_d=one_d))
         return rows.gather_rows(self._variables, self._offsets, indices, self._name, one_d, arg)
 
     def _spans(self) -> list[tuple[Variable, int, int]]:
@@ -312,10 +380,15 @@ class ShardedVariable(ArrayLike):
         return sharded_html(self)
 
     def __repr__(self) -> str:
+        layout = "" if self._layout == "div" else f" layout={self._layout!r}"
         return (
             f"<daskps.ShardedVariable {self._name!r} shape={self._shape} dtype={self.dtype} "
-            f"shards={len(self._variables)}>"
+            f"shards={len(self._variables)}{layout}>"
         )
+
+
+def _sharded(variables: list[Variable], name: str, layout: str = "div") -> ShardedVariable:
+    return ShardedVariable(variables, name, layout=layout)
 
 
 def _rebuild(ref: Ref, shape: tuple, dtype: str, trainable: bool, token: str | None) -> Variable:
@@ -411,10 +484,12 @@ def _is_row_read(node: Any) -> bool:
 def _plan(v: Any) -> tuple[list[tuple[Variable, Any]], Any]:
     if isinstance(v, tuple) and len(v) == 2:
         table, ids = v
-        if hasattr(table, "row_plan"):  # an EmbeddingTable
+        if hasattr(table, "row_plan"):  # an EmbeddingTable or a ShardedVariable
             return table.row_plan(ids)
         shards = shards_of(table)
         offsets = table.row_offsets if isinstance(table, ShardedVariable) else (0, table.shape[0] if table.shape else 0)
         return rows.plan_rows(shards, offsets, ids, table.name)
     shards = shards_of(v)
+    if isinstance(v, ShardedVariable):
+        return [(s, None) for s in shards], lambda values: v.from_shard_order(np.concatenate(values))
     return [(s, None) for s in shards], lambda values: values[0] if len(values) == 1 else np.concatenate(values)
