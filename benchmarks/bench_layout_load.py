@@ -7,8 +7,8 @@ server reads and updates). Reports max/mean over servers, averaged over
 ``--batches`` batches, for:
 
 - ``div``: server = id // ceil(rows / servers) (TensorFlow's "div", daskps' ShardedVariable);
-- ``mod``: server = id % servers (TensorFlow 1's partition_strategy="mod"; computed
-  here from the rule: daskps has no mod layout yet);
+- ``mod``: server = id % servers (TensorFlow 1's partition_strategy="mod"; daskps'
+  ``ShardedVariable(..., layout="mod")``, whose shards hold exactly these rows: tested);
 - ``hash``: server = splitmix64(id) % servers (daskps' EmbeddingTable).
 
 Two numberings of the ids: by popularity (id 0 the most frequent: how
@@ -51,7 +51,7 @@ def main() -> int:
     batches = [np.unique(zipf_ranks(rng, args.a, args.rows, args.batch)) for _ in range(args.batches)]
     print(f"Zipf({args.a}) batches of {args.batch} ids over {args.rows:,} rows: distinct rows per server, "
           f"max/mean (1.00 is even), mean of {args.batches} batches")
-    print("| servers | ids numbered | div | mod (rule) | hash (EmbeddingTable) |")
+    print("| servers | ids numbered | div | mod | hash (EmbeddingTable) |")
     print("| --- | --- | --- | --- | --- |")
     for s in args.servers:
         per = -(-args.rows // s)
