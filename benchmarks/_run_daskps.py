@@ -96,24 +96,18 @@ def _daskps_dense_jax(strategy, coordinator, steps: int) -> float:
 def _daskps_ctr(strategy, coordinator, steps: int) -> float:
     with strategy.scope():
         table = dps.Variable(ctr_table, shape=(FIELDS * VOCAB, DIM), dtype=np.float32, name="table")
-        w = dps.Variable(np.full((FIELDS * DIM, 1), 0.01, np.float32), name="w")
-        opt = dps.optimizers.SGD(LR)
-    data = coordinator.create_per_worker_dataset(lambda ctx: _cycle(ctr_batches(ctx.input_pipeline_id)))
-
-    def step(it):
-        ids, y = next(it)
-        rows, w_now = dps.read_values([(table, ids), w])  # one message per server
-        loss, row_grads, gw = ctr_grads(rows, w_now, ids, y)
-        opt.apply_gradients([(dps.IndexedSlices(row_grads, ids.ravel()), table), (gw, w)])
-        return loss
-
-    return BATCH * _timed(coordinator, step, (iter(data),), steps, warmup=20)
+    return _ctr(strategy, coordinator, steps, table)
 
 
 def _daskps_ctr_hash(strategy, coordinator, steps: int) -> float:
     """``ctr`` with its table an EmbeddingTable: any int64 ids, rows made on first sight, spread by hash."""
     with strategy.scope():
         table = dps.EmbeddingTable(DIM, initializer=ctr_hash_init, name="table")
+    return _ctr(strategy, coordinator, steps, table)
+
+
+def _ctr(strategy, coordinator, steps: int, table) -> float:
+    with strategy.scope():
         w = dps.Variable(np.full((FIELDS * DIM, 1), 0.01, np.float32), name="w")
         opt = dps.optimizers.SGD(LR)
     data = coordinator.create_per_worker_dataset(lambda ctx: _cycle(ctr_batches(ctx.input_pipeline_id)))

@@ -82,16 +82,24 @@ def create_partitioned_variables(
     return _create(initializer, shape, np.dtype(dtype), axis, slicing[axis], name, trainable)
 
 
+def _strategy_in_scope() -> Any:
+    """The strategy whose scope this is (checked open), or ``None`` outside any scope."""
+    mode = context.current_mode()
+    strategy: Any = mode.strategy
+    if strategy.variable_creator is None or mode.replica_context is not None:
+        return None
+    if strategy.group is None:
+        raise RuntimeError("variables can only be created on the coordinator, not inside a scheduled function")
+    strategy.check_open("create_partitioned_variables")
+    return strategy
+
+
 def _create_mod(initializer: Any, shape: tuple, dtype: np.dtype, num: int, name: str, trainable: bool) -> list[Variable]:
     """Part ``i`` of ``num`` holds rows ``i::num``; each is made as a variable of its own (placed round robin)."""
     shapes = [(shape[0] // num + (i < shape[0] % num),) + shape[1:] for i in range(num)]
     values = [initializer if callable(initializer) else initializer[i::num] for i in range(num)]
-    mode = context.current_mode()
-    strategy: Any = mode.strategy
-    if strategy.variable_creator is not None and mode.replica_context is None:
-        if strategy.group is None:
-            raise RuntimeError("variables can only be created on the coordinator, not inside a scheduled function")
-        strategy.check_open("create_partitioned_variables")
+    strategy = _strategy_in_scope()
+    if strategy is not None:
         made = placement.create(strategy.group, [
             placement.Part(strategy.next_server(), f"{name}/part_{i}", v, s, dtype)
             for i, (v, s) in enumerate(zip(values, shapes))], whole=(name, shape))
@@ -103,12 +111,8 @@ def _create_mod(initializer: Any, shape: tuple, dtype: np.dtype, num: int, name:
 def _create(initializer: Any, shape: tuple, dtype: np.dtype, axis: int, num: int, name: str,
             trainable: bool) -> list[Variable]:
     """On the servers in a ``ParameterServerStrategy`` scope, round robin; local variables elsewhere."""
-    mode = context.current_mode()
-    strategy: Any = mode.strategy
-    if strategy.variable_creator is not None and mode.replica_context is None:
-        if strategy.group is None:
-            raise RuntimeError("variables can only be created on the coordinator, not inside a scheduled function")
-        strategy.check_open("create_partitioned_variables")
+    strategy = _strategy_in_scope()
+    if strategy is not None:
         parts = placement.create_div_parts(strategy, initializer, shape, dtype, axis, num, name)
         return [Variable.from_handle(p.ref, p.shape, p.dtype, trainable, strategy.token) for p in parts]
     out = []
