@@ -353,7 +353,7 @@ def test_a_restore_that_does_not_fit_changes_nothing(strategy, tmp_path):
     before = _snapshot(other)
     with pytest.raises(ValueError, match="embedding table has dim 3"):
         dps.Checkpoint(t=other).restore(path)
-    with pytest.raises(ValueError, match=r"checkpoint has shape \(2, 2\), object has \(4, 2\)"):
+    with pytest.raises(ValueError, match="holds an EmbeddingTable's rows"):
         dps.Checkpoint(t=dense).restore(path)
     with pytest.raises(ValueError, match="lacks"):
         dps.Checkpoint(t=other).restore(dps.Checkpoint(t=dense).write(str(tmp_path / "dense")))

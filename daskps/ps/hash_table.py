@@ -27,6 +27,11 @@ reference written from this text):
   ``evict_after_steps`` or more steps old.
 - A removed row takes its optimizer slots with it; a key seen again starts
   afresh (sightings, initializer, slots).
+- **Restore** (into any number of parts): each part takes the saved rows
+  whose keys are now its own, with their slots and step of last update; a
+  row's use clock keeps its age (its old part's lookups and gradients since
+  it was used), counted back from the newest saved clock; pending sightings
+  start afresh.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ class HashSpec(NamedTuple):
     capacity: int | None  # this part's share
     part: int
     parts: int
+    key_dtype: str = "<i8"
 
     def build(self, name: str) -> tuple[Table, bool]:
         return HashTable(name, self), False
@@ -361,6 +367,12 @@ class HashTable(Table):
             return ckpt_io.read_rows(fs, root, 0, rows, pieces, row_shape, np.dtype(dtype))
 
         keys = whole(KEYS_TENSOR, (), np.int64)
+        if np.dtype(self.spec.key_dtype) == np.int32 and len(keys):
+            info = np.iinfo(np.int32)
+            outside = keys[(keys < info.min) | (keys > info.max)]
+            if len(outside):
+                raise ValueError(f"embedding table {self.name!r} has key_dtype int32; the checkpoint holds "
+                                 f"key {outside[0]}, which does not fit")
         mine = server_of(keys, self.spec.parts) == self.spec.part if self.spec.parts > 1 else np.ones(len(keys), bool)
         dim = (self.spec.dim,)
         values = whole("", dim, self.dtype)[mine]
@@ -375,9 +387,13 @@ class HashTable(Table):
                 total = sum(p["rows"] for p in pieces)
                 arrays[slot] = ckpt_io.read_rows(fs, root, 0, total, pieces, dim, self.dtype)[mine]
             slots[opt_key] = (int(saved.step), arrays)
-        rows = _Restored(keys[mine], values, whole(UPDATED_TENSOR, (), np.int64)[mine],
-                         whole(USED_TENSOR, (), np.int64)[mine], int(clocks[:, 0].max(initial=0)),
-                         int(clocks[:, 1].max(initial=0)))
+        # Use clocks are each old part's own: keep each row's age (its old part's lookups and
+        # gradients since it was used), counted back from the newest of those clocks.
+        saved_part = np.repeat(np.arange(len(clocks)), [p["rows"] for p in spec.pieces[KEYS_TENSOR]])
+        clock = int(clocks[:, 1].max(initial=0))
+        age = clocks[saved_part, 1] - whole(USED_TENSOR, (), np.int64)
+        rows = _Restored(keys[mine], values, whole(UPDATED_TENSOR, (), np.int64)[mine], (clock - age)[mine],
+                         int(clocks[:, 0].max(initial=0)), clock)
         return Staged(rows, slots)
 
     def commit(self, staged: Staged, optimizers: dict[str, Transform]) -> None:
@@ -389,7 +405,7 @@ class HashTable(Table):
         rows = np.arange(n)
         self._values[rows], self._key[rows] = got.values, got.keys
         self._updated[rows], self._used[rows], self._live[rows] = got.updated, got.used, True
-        self._top, self._n_live = n, n
+        self._top, self._n_live, self.admitted = n, n, n
         self._index.insert(got.keys, rows)
         self.steps, self.clock = got.steps, got.clock
         for opt_key, saved in staged.slots.items():

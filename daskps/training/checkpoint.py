@@ -121,6 +121,8 @@ def _table_problems(name: str, t: _Table, saved: dict, slots_of: dict) -> list[s
     if missing:
         return [f"{name}: the checkpoint lacks {', '.join(missing)} (not saved from an EmbeddingTable)"]
     entry, problems = saved[name], []
+    if entry.get("kind") != "hash":
+        return [f"{name}: the checkpoint holds a variable there, not an EmbeddingTable"]
     if entry["shape"][1:] != [t.table.dim]:
         problems.append(f"{name}: checkpoint has rows of {entry['shape'][1:]}, embedding table has dim {t.table.dim}")
     if np.dtype(entry["dtype"]) != t.dtype:
@@ -222,7 +224,10 @@ class Checkpoint:
         run = lambda: protocol.save(path, items)  # noqa: E731
         records = _with_progress(run, f"saving {path}", nbytes, fs, root) if show else run()
         saved = _tensors(records)
-        _renumber(saved, [name for name, t in tensors.items() if isinstance(t, _Table)])
+        tables = [name for name, t in tensors.items() if isinstance(t, _Table)]
+        _renumber(saved, tables)
+        for name in tables:
+            saved[name]["kind"] = "hash"  # rows by key: not a dense variable's rows
         for name, t in tensors.items():
             if isinstance(t, _Tensor) and t.layout == "mod":  # the variable's pieces and its slots'
                 for tensor, entry in saved.items():
@@ -428,6 +433,8 @@ def _check_match(tensors: dict[str, Any], saved: dict, slots_of: dict, path: str
         entry = saved.get(name)
         if isinstance(t, _Table):
             problems += _table_problems(name, t, saved, slots_of)
+        elif entry is not None and entry.get("kind") == "hash":
+            problems.append(f"{name}: the checkpoint holds an EmbeddingTable's rows (by key) there, not a variable")
         elif entry is None:
             problems.append(f"{name}: not in the checkpoint")
         elif tuple(entry["shape"]) != t.shape:

@@ -76,7 +76,11 @@ class EmbeddingTable:
             raise TypeError(f"dtype must be a numpy float dtype, got {dtype!r}") from None
         if dtype.kind != "f":
             raise TypeError(f"dtype must be a float dtype, got {dtype}")
-        if key_dtype not in (np.int64, np.int32) and np.dtype(key_dtype) not in (np.dtype("int64"), np.dtype("int32")):
+        try:
+            key_ok = np.dtype(key_dtype) in (np.dtype("int64"), np.dtype("int32"))
+        except (TypeError, ValueError):
+            key_ok = False
+        if not key_ok:
             raise TypeError(f"key_dtype must be np.int64 or np.int32, got {key_dtype!r}")
         if initializer is not None and not callable(initializer):
             raise TypeError(f"initializer must be callable(shape, dtype), got {type(initializer).__name__}")
@@ -100,7 +104,7 @@ class EmbeddingTable:
         n = len(servers)
         made = [protocol.table(s, f"{key}/part_{i}", name, HashSpec(
             dim, dtype.str, initializer, admit_after, evict_after_steps,
-            None if capacity is None else capacity // n + (i < capacity % n), i, n))
+            None if capacity is None else capacity // n + (i < capacity % n), i, n, np.dtype(key_dtype).str))
             for i, s in enumerate(servers)]
         answers = protocol.create(made, owner)
         failed = [a for a in answers if isinstance(a, BaseException)]

@@ -46,8 +46,10 @@ def create_partitioned_variables(
     layout : {"div", "mod"}
         ``"mod"`` (axis 0 only; TensorFlow 1's ``partition_strategy="mod"``):
         part ``i`` holds rows ``i, i + n, i + 2n, ...`` (an array initializer's
-        ``value[i::n]``; a callable initializer makes each part on its own,
-        called with the part's shape). Wrap the parts in
+        ``value[i::n]``; a callable initializer makes each part on its own:
+        its ``shape`` and ``partition_shape`` are the part's, its
+        ``partition_offset`` where the part starts when the parts are laid
+        end to end). Wrap the parts in
         ``ShardedVariable(parts, layout="mod")`` to use them as one variable.
 
     Examples
@@ -97,15 +99,23 @@ def _strategy_in_scope() -> Any:
 def _create_mod(initializer: Any, shape: tuple, dtype: np.dtype, num: int, name: str, trainable: bool) -> list[Variable]:
     """Part ``i`` of ``num`` holds rows ``i::num``; each is made as a variable of its own (placed round robin)."""
     shapes = [(shape[0] // num + (i < shape[0] % num),) + shape[1:] for i in range(num)]
+    # A callable gets the part's shape as both shape and partition_shape, and as partition_offset
+    # where the part starts when the parts are laid end to end: distinct per part, as for "div".
+    starts = np.cumsum([0] + [s[0] for s in shapes])
+    offsets = [(int(starts[i]),) + (0,) * (len(shape) - 1) for i in range(num)]
     values = [initializer if callable(initializer) else initializer[i::num] for i in range(num)]
     strategy = _strategy_in_scope()
     if strategy is not None:
         made = placement.create(strategy.group, [
-            placement.Part(strategy.next_server(), f"{name}/part_{i}", v, s, dtype)
-            for i, (v, s) in enumerate(zip(values, shapes))], whole=(name, shape))
+            placement.Part(strategy.next_server(), f"{name}/part_{i}", v, s, dtype, s if callable(v) else None,
+                           o if callable(v) else None)
+            for i, (v, s, o) in enumerate(zip(values, shapes, offsets))], whole=(name, shape))
         return [Variable.from_handle(p.ref, p.shape, p.dtype, trainable, strategy.token) for p in made]
-    return [Variable(v, trainable=trainable, name=f"{name}/part_{i}", dtype=dtype, shape=s)
-            for i, (v, s) in enumerate(zip(values, shapes))]
+    out = []
+    for i, (v, s, o) in enumerate(zip(values, shapes, offsets)):
+        value = build_part(None, v, s, dtype, s, o)[0] if callable(v) else v
+        out.append(Variable(value, trainable=trainable, name=f"{name}/part_{i}", dtype=dtype, shape=s))
+    return out
 
 
 def _create(initializer: Any, shape: tuple, dtype: np.dtype, axis: int, num: int, name: str,

@@ -152,6 +152,8 @@ def getitem_by_rows(sv: Any, index: Any) -> np.ndarray:
     a slice, an integer or boolean array) becomes row numbers, and those rows are read; the other
     axes' ints and slices are applied to the rows read. Any other index reads the whole value."""
     parts = [_as_index(x) for x in (index if isinstance(index, tuple) else (index,))]
+    if not parts or (isinstance(parts[0], np.ndarray) and parts[0].dtype == np.bool_ and parts[0].ndim != 1):
+        return sv.numpy()[index]  # x[()], or a mask over several axes
     first, rest = parts[0], tuple(parts[1:])
     basic_rest = all(_is_int(x) or isinstance(x, slice) for x in rest)
     n = sv.shape[0]
