@@ -456,3 +456,33 @@ def test_reprs_and_server_stats_show_rows_admitted_and_evicted_per_server(strate
     on_servers = [s["counts"] for s in strategy.ps_stats()]
     mine = [next(v for k, v in c.items() if k.startswith("shown@")) for c in on_servers]
     assert mine == counts
+
+
+def test_key_index_rebuilds_a_slice_at_a_time_and_reserves_room():
+    """Rebuilds (growing, and in place when deletions fill the index) keep every key across many slices."""
+    rng = np.random.default_rng(3)
+    stored = np.zeros(400_000, np.int64)
+    index, want, next_row = KeyIndex(lambda rows: stored[rows]), {}, 0
+    for it in range(12):
+        new = np.setdiff1d(rng.integers(-(2**62), 2**62, 30_000), np.array(list(want), np.int64))
+        at = np.arange(next_row, next_row + len(new))
+        stored[at], next_row = new, next_row + len(new)
+        index.insert(new, at)
+        want.update(zip(new.tolist(), at.tolist()))
+        gone = np.array(list(want))[rng.random(len(want)) < 0.5]
+        index.delete(gone)
+        for k in gone.tolist():
+            del want[k]
+        keys = np.array(list(want), np.int64)
+        assert index.find(keys).tolist() == list(want.values()), it
+        assert (index.find(gone) == -1).all()
+    assert len(index) == len(want) > 2 * 8192 and sorted(index.rows().tolist()) == sorted(want.values())
+
+    reserved = KeyIndex(lambda rows: stored[rows])
+    reserved.insert(stored[:10], np.arange(10))
+    reserved.reserve(100_000)
+    size = reserved.nbytes()
+    assert size >= 4 * 3 * 100_000
+    reserved.insert(stored[10:100_000], np.arange(10, 100_000))  # fits: no rebuild, no larger index
+    assert reserved.nbytes() == size
+    assert reserved.find(stored[:100_000]).tolist() == list(range(100_000))

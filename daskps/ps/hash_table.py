@@ -55,6 +55,19 @@ _NEVER = np.iinfo(np.int64).max  # the use clock of an arena row that holds no k
 STAT_FIELDS = ("rows", "admitted", "evicted", "dropped", "pending", "steps")
 
 
+def _kth_smallest(a: np.ndarray, k: int, chunk: int = 1 << 16) -> Any:
+    """The ``k``-th smallest of ``a`` (1-based), sorting no copy of more than ``chunk`` + ``k`` values at a time.
+
+    ``np.partition`` copies the whole array; for a part's use clocks that is a
+    temporary as large as a column of the table, at every lookup that evicts.
+    """
+    best = a[:0]
+    for start in range(0, len(a), chunk):
+        part = np.concatenate([best, a[start:start + chunk]])
+        best = np.partition(part, k - 1)[:k] if len(part) > k else part
+    return np.partition(best, k - 1)[k - 1]
+
+
 class HashSpec(NamedTuple):
     """One server's part of an embedding table: part ``part`` of ``parts``."""
 
@@ -156,6 +169,10 @@ class HashTable(Table):
         out[new[admit]] = made
         self._count_sightings(keys[new], admit)
         if len(made_keys):
+            if self._n_live - int(np.count_nonzero(held)) >= len(made_keys):
+                # The rows to go are certain to be ones this lookup did not touch (theirs are the
+                # newest): remove them first, so that a full part never holds more than its share.
+                self._fit_capacity(room=len(made_keys))
             self._add(made_keys, made)
             self._fit_capacity()
         return out
@@ -234,8 +251,9 @@ class HashTable(Table):
             share = self.spec.capacity
             if share is None:  # unbounded: double
                 self._grow(max(self._top, 2 * len(self._values), 64))
-            else:  # bounded: the share, a little room for one lookup's new rows, and no more
-                self._grow(max(self._top, share + max(1024, share // 32)))
+            else:  # bounded: the share; more only when one lookup makes more rows than others held
+                self._grow(share if self._top <= share else max(self._top, share + max(1024, share // 32)))
+                self._index.reserve(len(self._values))  # and its index, once
         return np.concatenate([reuse, fresh]).astype(np.int64)
 
     def _grow(self, size: int) -> None:
@@ -260,14 +278,14 @@ class HashTable(Table):
             self.evicted += len(rows)
         return len(rows)
 
-    def _fit_capacity(self) -> None:
-        """Remove the least recently used rows (smallest key first among equals) down to the share."""
+    def _fit_capacity(self, room: int = 0) -> None:
+        """Remove the least recently used rows (smallest key first among equals) down to the share less ``room``."""
         share = self.spec.capacity
-        over = self._n_live - share if share is not None else 0
+        over = self._n_live + room - share if share is not None else 0
         if over <= 0:
             return
         used = self._used[: self._top]  # rows holding no key have _NEVER
-        cut = np.partition(used, over - 1)[over - 1]  # the use clock of the last row to go
+        cut = _kth_smallest(used, over)  # the use clock of the last row to go
         older = np.flatnonzero(used < cut)
         ties = np.flatnonzero(used == cut)
         ties = ties[np.argsort(self._key[ties], kind="stable")][: over - len(older)]

@@ -45,6 +45,9 @@ def server_of(keys: np.ndarray, num_servers: int) -> np.ndarray:
     return (mix(keys) % np.uint64(num_servers)).astype(np.int64)
 
 
+_REBUILD_CHUNK = 1 << 13  # live rows put back at a time when the index is rebuilt
+
+
 class KeyIndex:
     """int64 key -> row number (>= 0), for batches of keys at a time.
 
@@ -144,14 +147,31 @@ class KeyIndex:
         """Every row held."""
         return self._rows[self._rows >= 0].astype(np.int64)
 
+    def reserve(self, keys: int) -> None:
+        """Make room for ``keys`` keys now, so that growing to them later needs no rebuild."""
+        if len(self._rows) < 3 * keys:
+            self._rebuild(keys)
+
     def _rebuild(self, need: int) -> None:
-        rows = self.rows()
         size = 1024
         while size < 3 * need:
             size *= 2
         if size > np.iinfo(np.int32).max:
             raise MemoryError(f"an index of {size} positions is too large")
-        self._rows = np.full(size, _EMPTY, np.int32)
+        # A table that churns through keys rebuilds often, at the same size: the live rows are kept
+        # apart (4 bytes each) and put back a slice at a time into the same array, so no temporary
+        # as large as the index is made (malloc would keep its memory once freed).
+        live, n = np.empty(self._used, np.int32), 0
+        for start in range(0, len(self._rows), 8 * _REBUILD_CHUNK):
+            part = self._rows[start:start + 8 * _REBUILD_CHUNK]
+            part = part[part >= 0]
+            live[n:n + len(part)] = part
+            n += len(part)
+        if size == len(self._rows):
+            self._rows.fill(_EMPTY)
+        else:
+            self._rows = np.full(size, _EMPTY, np.int32)
         self._used = self._deleted = 0
-        if len(rows):
+        for start in range(0, len(live), _REBUILD_CHUNK):
+            rows = live[start:start + _REBUILD_CHUNK].astype(np.int64)
             self.insert(self._key_at(rows), rows)
