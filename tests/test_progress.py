@@ -52,3 +52,31 @@ def test_large_checkpoint_save_shows_bytes_written(strategy, tmp_path, capsys):
     assert "saving" in err and "8/8 MiB" in err
     ckpt.write(str(tmp_path / "d"))  # 8 MiB: below the automatic threshold, quiet
     assert capsys.readouterr().err == ""
+
+
+def test_the_bar_is_tqdms_where_tqdm_is_installed_and_daskps_own_on_request():
+    import dask.config
+    import pytest
+
+    pytest.importorskip("tqdm")  # in the test extra: this runs in CI
+    out = io.StringIO()
+    bar = ProgressBar("training", 40, "steps", file=out, notebook=False)
+    for done in (10, 40):
+        bar.update(done, "loss=19.5")
+    bar.close()
+    drawn = out.getvalue()
+    # tqdm's own layout: "desc: pct%|bar| n/total unit [elapsed<remaining, rate], postfix"
+    assert "training: 100%|##########| 40/40 steps [" in drawn and "steps/s], loss=19.5" in drawn
+    assert "training [" not in drawn and drawn.endswith("\n")
+
+    with dask.config.set({"daskps.progress-bar": "builtin"}):
+        out = io.StringIO()
+        bar = ProgressBar("training", 40, "steps", file=out, notebook=False)
+        bar.update(40, "loss=19.5")
+        bar.close()
+    assert out.getvalue().startswith("\rtraining [##############################] 40/40 steps")
+    assert "%|" not in out.getvalue()
+
+    with dask.config.set({"daskps.progress-bar": "tqdm-please"}):
+        with pytest.raises(ValueError, match="daskps.progress-bar must be 'auto' or 'builtin', got 'tqdm-please'"):
+            ProgressBar("training", 40, "steps", file=io.StringIO(), notebook=False)

@@ -3,9 +3,12 @@
 :class:`ProgressBar` shows how much of something is done and the rate;
 ``dps.progress(coordinator, metrics)`` (:mod:`daskps.coordinator.progress`)
 uses it for training, and large checkpoint saves (:func:`watch`) for the
-bytes written. In a notebook the bar is an HTML display updated in
-place (no widget library needed); elsewhere it is one line on stderr
-rewritten with ``\\r``.
+bytes written. Where ``tqdm`` is installed (``pip install "daskps[progress]"``)
+the bar is drawn by tqdm (the bar ``tqdm.auto`` would pick), as Dask users know it: a text bar in a
+terminal, a widget in a notebook (where ``ipywidgets`` is installed).
+Otherwise, or with ``daskps.progress-bar: builtin``, daskps draws its own: in a
+notebook an HTML display updated in place (no widget library needed),
+elsewhere one line on stderr rewritten with ``\\r``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import sys
 import time
 from collections.abc import Callable
 from typing import Any
+
+import dask.config
 
 __all__ = ["ProgressBar", "watch"]
 
@@ -52,6 +57,7 @@ class ProgressBar:
         self._handle: Any = None
         self._started = time.monotonic()
         self.last = ""
+        self._tqdm = _tqdm_bar(label, self.total, unit, self._file, self._notebook)
 
     def text(self, done: float, extra: str = "") -> str:
         frac = min(1.0, done / self.total) if self.total else 1.0
@@ -69,7 +75,12 @@ class ProgressBar:
 
     def update(self, done: float, extra: str = "") -> None:
         self.last = self.text(done, extra)
-        if self._notebook:
+        if self._tqdm is not None:
+            self._tqdm.total = self.total
+            self._tqdm.n = done
+            self._tqdm.set_postfix_str(extra, refresh=False)
+            self._tqdm.refresh()
+        elif self._notebook:
             from IPython.display import HTML, display
 
             if self._handle is None:
@@ -81,9 +92,38 @@ class ProgressBar:
             self._file.flush()
 
     def close(self) -> None:
-        if not self._notebook:
+        if self._tqdm is not None:
+            self._tqdm.close()
+        elif not self._notebook:
             self._file.write("\n")
             self._file.flush()
+
+
+# Whole numbers, the unit after them, and the metrics (tqdm's postfix) at the end.
+_TQDM_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n:,.0f}/{total:,.0f} {unit} [{elapsed}<{remaining}, {rate_fmt}]{postfix}"
+
+
+def _tqdm_bar(label: str, total: float, unit: str, file: Any, notebook: bool) -> Any:
+    """A ``tqdm.auto`` bar, or None where daskps draws its own.
+
+    Its own: with ``daskps.progress-bar: builtin``, without tqdm, and in a
+    notebook without ipywidgets (where tqdm would fall back to plain text).
+    """
+    choice = dask.config.get("daskps.progress-bar")
+    if choice not in ("auto", "builtin"):
+        raise ValueError(f"daskps.progress-bar must be 'auto' or 'builtin', got {choice!r}")
+    if choice == "builtin":
+        return None
+    try:
+        if notebook:
+            import ipywidgets  # noqa: F401  (tqdm's notebook bar is a widget)
+            from tqdm.notebook import tqdm
+        else:
+            from tqdm.std import tqdm
+    except ImportError:
+        return None
+    kwargs = {} if notebook else {"file": file}
+    return tqdm(total=total, desc=label, unit=unit, bar_format=_TQDM_FORMAT, **kwargs)
 
 
 def watch(label: str, total_bytes: int, measure: Callable[[], float], stop: Callable[[], bool],
