@@ -21,7 +21,7 @@ The package is layered; each layer imports only those below it:
 from __future__ import annotations
 
 import daskps._core.config  # noqa: F401  (first: registers the daskps.* config defaults)
-from daskps import data, errors, metrics, optimizers, partitioners
+from daskps import data, errors, metrics, optimizers, partitioners, summary
 from daskps._core.slices import IndexedSlices
 from daskps.coordinator.coordinator import ClusterCoordinator, RemoteValue
 from daskps.coordinator.datasets import PerWorkerDataset, PerWorkerIterator, PerWorkerValues
@@ -82,4 +82,5 @@ __all__ = [
     "partitioners",
     "progress",
     "read_values",
+    "summary",
 ]

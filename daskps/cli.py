@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--input", choices=INPUTS, default=defaults.input,
                       help="batches from a generator on each trainer (the default), or from Dask Arrays read "
                            "where their partitions live (dps.data.from_dask)")
+    demo.add_argument("--logdir", default=None,
+                      help="write TensorBoard scalars here (train loss, examples/s, test log-loss and AUC); "
+                           'needs pip install "daskps[tensorboard]"')
     args = parser.parse_args(argv)
     if args.model == "jax" and importlib.util.find_spec("jax") is None:
         demo.error(JAX_MISSING)
@@ -41,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         kill_ps_at_epoch=args.kill_ps,
         model=args.model,
         input=args.input,
+        logdir=args.logdir,
     )
     result = run_demo(config)
     learned = result["epochs_trained"] == 0 or result["log_loss"] < result["start_log_loss"]

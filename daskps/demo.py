@@ -60,6 +60,7 @@ class DemoConfig:
     kill_ps_at_epoch: int | None = None  # SIGKILL ps-0 part-way through this epoch (a local cluster's)
     model: str = "numpy"  # how gradients are computed: "numpy" (by hand) or "jax" (jax.value_and_grad)
     input: str = "generator"  # where batches come from: a generator per trainer, or "dask" (dps.data.from_dask)
+    logdir: str | None = None  # TensorBoard scalars go here (dps.summary.ScalarLogger; needs tensorboardX)
 
 
 def teacher(seed: int) -> dict[str, np.ndarray]:
@@ -284,27 +285,40 @@ def _train(config: DemoConfig, cluster, log, step_maths) -> dict:
     calls = max(1, config.steps_per_epoch // k)
     iterator, started, history = iter(dataset), time.perf_counter(), []
     metrics = first
-    for epoch in range(done + 1, config.epochs + 1):
-        t0 = time.perf_counter()
-        train_loss.reset_state()
-        for _ in range(calls):
-            coordinator.schedule(train_steps, args=(iterator,))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", dps.errors.RollbackWarning)
-            if epoch == config.kill_ps_at_epoch:
-                _kill_ps(client, coordinator, calls // 3, log)
-            coordinator.join()
-        for warning in caught:
-            log(str(warning.message)) if issubclass(warning.category, dps.errors.RollbackWarning) else \
-                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
-        metrics = evaluate()
-        path = manager.save()
-        assert path is not None  # no checkpoint_interval: every save writes
-        history.append(metrics)
-        rate = calls * k * batch / (time.perf_counter() - t0)
-        log(f"epoch {epoch:>2}/{config.epochs}  train loss {float(train_loss.result()):.4f}  "
-            f"test log-loss {metrics['log_loss']:.4f}  AUC {metrics['auc']:.3f}  "
-            f"{rate:,.0f} examples/s  saved {os.path.basename(path)}")
+    logger = None
+    if config.logdir is not None:  # train loss and examples/s every tenth of an epoch; test metrics each epoch
+        logger = dps.summary.ScalarLogger(coordinator, config.logdir, {"train/loss": train_loss},
+                                          every_n_steps=max(1, calls // 10), examples_per_step=k * batch).start()
+        log(f"TensorBoard scalars in {config.logdir} (tensorboard --logdir {config.logdir})")
+    try:
+        for epoch in range(done + 1, config.epochs + 1):
+            t0 = time.perf_counter()
+            train_loss.reset_state()
+            for _ in range(calls):
+                coordinator.schedule(train_steps, args=(iterator,))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", dps.errors.RollbackWarning)
+                if epoch == config.kill_ps_at_epoch:
+                    _kill_ps(client, coordinator, calls // 3, log)
+                coordinator.join()
+            for warning in caught:
+                log(str(warning.message)) if issubclass(warning.category, dps.errors.RollbackWarning) else \
+                    warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+            metrics = evaluate()
+            path = manager.save()
+            assert path is not None  # no checkpoint_interval: every save writes
+            history.append(metrics)
+            rate = calls * k * batch / (time.perf_counter() - t0)
+            log(f"epoch {epoch:>2}/{config.epochs}  train loss {float(train_loss.result()):.4f}  "
+                f"test log-loss {metrics['log_loss']:.4f}  AUC {metrics['auc']:.3f}  "
+                f"{rate:,.0f} examples/s  saved {os.path.basename(path)}")
+            if logger is not None:  # the test metrics at the step (functions completed) they were taken
+                step = coordinator.summary()["done"]
+                logger.writer.add_scalar("test/log_loss", metrics["log_loss"], step)
+                logger.writer.add_scalar("test/auc", metrics["auc"], step)
+    finally:
+        if logger is not None:
+            logger.stop()
     if not history:
         log(f"nothing to train: the latest checkpoint already has {done} of {config.epochs} epochs")
     result = {

@@ -104,3 +104,24 @@ def test_demo_survives_a_killed_parameter_server(fresh_cluster, tmp_path):
     assert len(recovered) == 1 and "ckpt-1" in recovered[0] and "'model/table'" in recovered[0], lines
     assert result["epochs_trained"] == 3 and result["checkpoints"][-1].endswith("ckpt-3")
     assert result["log_loss"] < result["start_log_loss"] - 0.1 and result["auc"] > 0.75
+
+
+def test_demo_writes_tensorboard_scalars_with_logdir(tmp_path):
+    """`daskps demo --logdir DIR`: an event file TensorBoard reads, with the run's train and test scalars."""
+    pytest.importorskip("tensorboardX")
+    from .test_summary import read_scalars
+
+    logdir = tmp_path / "tb"
+    run = subprocess.run([sys.executable, "-m", "daskps.cli", "demo", "--epochs", "2", "--steps-per-epoch", "80",
+                          "--checkpoint-dir", str(tmp_path / "ckpts"), "--logdir", str(logdir)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    scalars = read_scalars(logdir)
+    final = [line for line in run.stdout.splitlines() if line.startswith("done:")][0]
+    test_loss = [v for _, v in scalars["test/log_loss"]]
+    assert len(test_loss) == 2 and f"test log-loss {test_loss[-1]:.4f}" in final  # the values the run printed
+    assert [s for s, _ in scalars["test/log_loss"]] == [20, 40]  # 80 steps of 4 per call: 20 functions an epoch
+    train = scalars["train/loss"]
+    assert len(train) >= 2 and train[-1][0] == 40 and [s for s, _ in train] == sorted({s for s, _ in train})
+    assert all(0 < v < 1 for _, v in train)  # a log-loss on balanced-ish labels
+    assert all(v > 0 for _, v in scalars["daskps/examples_per_second"])

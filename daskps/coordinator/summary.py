@@ -1,0 +1,174 @@
+"""TensorBoard scalars from the coordinator: metrics and throughput every N functions, no TensorFlow needed.
+
+:class:`ScalarLogger` watches a :class:`ClusterCoordinator` from a thread of
+the process that schedules (the "chief", in TensorFlow's words) and, each
+time another ``every_n_steps`` scheduled functions have completed, writes
+the chosen metrics' values and the throughput since the last write as
+TensorBoard scalars, at the step ``functions completed``. The event files
+are written by ``tensorboardX`` (``pip install "daskps[tensorboard]"``),
+which TensorBoard reads: ``tensorboard --logdir <logdir>``.
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+import threading
+import time
+import warnings
+from typing import Any
+
+from daskps.coordinator.coordinator import ClusterCoordinator
+
+__all__ = ["ScalarLogger", "create_file_writer"]
+
+TENSORBOARD_MISSING = ('writing TensorBoard event files needs tensorboardX: pip install "daskps[tensorboard]" '
+                       "(or pass a writer of your own with an add_scalar(tag, value, step) method)")
+
+
+def create_file_writer(logdir: str | os.PathLike[str]) -> Any:
+    """A ``tensorboardX.SummaryWriter`` for ``logdir``: ``add_scalar(tag, value, step)``, ``flush()``, ``close()``."""
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError as exc:
+        raise ImportError(TENSORBOARD_MISSING) from exc
+    return SummaryWriter(logdir=os.fspath(logdir))
+
+
+class ScalarLogger:
+    """Write ``metrics`` and throughput as TensorBoard scalars every ``every_n_steps`` completed functions.
+
+    Parameters
+    ----------
+    coordinator : ClusterCoordinator
+    logdir : str, os.PathLike, or a writer
+        A directory for the event files (made if missing), or any object
+        with ``add_scalar(tag, value, step)`` (a ``tensorboardX`` or
+        ``torch.utils.tensorboard`` ``SummaryWriter``; it is flushed, not
+        closed, when the logger stops).
+    metrics : dict, optional
+        Tag -> a ``dps.metrics`` object (its ``result()``) or a function of
+        no arguments returning a number.
+    every_n_steps : int
+        Scheduled functions completed between two writes (the step of a
+        write is the number completed then).
+    examples_per_step : number, optional
+        Examples one scheduled function trains on: adds ``examples_per_second``.
+    interval : float
+        Seconds between two looks at the coordinator's counts.
+
+    Tags written besides ``metrics``: ``daskps/functions_per_second`` and
+    ``daskps/examples_per_second`` (since the previous write), and
+    ``daskps/failed`` (functions failed so far). Use it as a context manager,
+    or call :meth:`start` and :meth:`stop`; stopping writes the last step.
+    A metric that cannot be read is skipped with one warning: a log must
+    not stop training.
+    """
+
+    coordinator: ClusterCoordinator
+    metrics: dict[str, Any]
+    every_n_steps: int
+    examples_per_step: float | None
+    interval: float
+    _stop: threading.Event
+    _lock: threading.Lock
+    _thread: threading.Thread | None
+    _own: bool
+
+    def __init__(self, coordinator: ClusterCoordinator, logdir: Any, metrics: dict[str, Any] | None = None,
+                 every_n_steps: int = 100, examples_per_step: float | None = None, interval: float = 0.2):
+        if not isinstance(coordinator, ClusterCoordinator):
+            raise TypeError(f"coordinator must be a ClusterCoordinator, got {type(coordinator).__name__}")
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, numbers.Integral) or every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be a positive integer, got {every_n_steps!r}")
+        if examples_per_step is not None and (isinstance(examples_per_step, bool) or not isinstance(
+                examples_per_step, numbers.Real) or not examples_per_step > 0):
+            raise ValueError(f"examples_per_step must be a positive number or None, got {examples_per_step!r}")
+        if isinstance(interval, bool) or not isinstance(interval, numbers.Real) or not interval > 0:
+            raise ValueError(f"interval must be a positive number of seconds, got {interval!r}")
+        metrics = dict(metrics or {})
+        for tag, metric in metrics.items():
+            if not isinstance(tag, str) or not (callable(getattr(metric, "result", None)) or callable(metric)):
+                raise TypeError(f"metrics must map tags (str) to dps.metrics objects or functions of no "
+                                f"arguments; got {tag!r}: {type(metric).__name__}")
+        self._own = isinstance(logdir, (str, os.PathLike))
+        if self._own:
+            self.writer: Any = create_file_writer(logdir)
+        elif callable(getattr(logdir, "add_scalar", None)):
+            self.writer = logdir
+        else:
+            raise TypeError(f"logdir must be a directory or a writer with add_scalar(tag, value, step), "
+                            f"got {type(logdir).__name__}")
+        self.coordinator = coordinator
+        self.metrics = metrics
+        self.every_n_steps = int(every_n_steps)
+        self.examples_per_step = examples_per_step
+        self.interval = float(interval)
+        self.steps: list[int] = []  # the steps written so far
+        self._last: tuple[int, float] = (coordinator.summary()["done"], time.monotonic())
+        self._unreadable: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = None
+        self._lock = threading.Lock()
+
+    def start(self) -> ScalarLogger:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="daskps-scalar-logger", daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.poll()
+
+    def poll(self) -> bool:
+        """Write now if another ``every_n_steps`` functions have completed since the last write."""
+        done = self.coordinator.summary()["done"]
+        if done // self.every_n_steps > self._last[0] // self.every_n_steps:
+            self.write(done)
+            return True
+        return False
+
+    def write(self, step: int) -> None:
+        """Write every scalar at ``step`` now."""
+        with self._lock:
+            now = time.monotonic()
+            s = self.coordinator.summary()
+            before, then = self._last
+            rate = (step - before) / max(now - then, 1e-9)
+            scalars = {"daskps/functions_per_second": rate, "daskps/failed": float(s["failed"])}
+            if self.examples_per_step is not None:
+                scalars["daskps/examples_per_second"] = rate * float(self.examples_per_step)
+            for tag, metric in self.metrics.items():
+                try:
+                    scalars[tag] = float(metric.result() if callable(getattr(metric, "result", None)) else metric())
+                except Exception as exc:
+                    if tag not in self._unreadable:
+                        self._unreadable.add(tag)
+                        warnings.warn(f"ScalarLogger: metric {tag!r} could not be read ({type(exc).__name__}: "
+                                      f"{exc}); it is left out", RuntimeWarning, stacklevel=2)
+            for tag, value in scalars.items():
+                self.writer.add_scalar(tag, value, step)
+            self.writer.flush()
+            self.steps.append(step)
+            self._last = (step, now)
+
+    def stop(self) -> None:
+        """Stop watching; write the last step if it was not written; close a writer made here."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        done = self.coordinator.summary()["done"]
+        if not self.steps or self.steps[-1] != done:
+            if done > self._last[0]:
+                self.write(done)
+        if self._own:
+            self.writer.close()
+        else:
+            self.writer.flush()
+
+    def __enter__(self) -> ScalarLogger:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
