@@ -74,6 +74,8 @@ BATCH_SECONDS = 0.2
 TRAINERS_REFRESH = 1.0
 
 
+# The counts go to the scheduler's plugin at most this often (seconds).
+PUBLISH_INTERVAL = 0.5
 # How many times one function is run again after losses of parameter servers before its error stands.
 MAX_RERUNS = 3
 
@@ -238,7 +240,9 @@ class ClusterCoordinator:
         # The client keeps its handlers: give it one that does not keep this coordinator alive.
         client.subscribe_topic(self._topic, functools.partial(self._deliver, weakref.ref(self)))
         weakref.finalize(self, _unsubscribe, client, self._topic)
-        self.stats = {"scheduled": 0, "done": 0, "failed": 0, "cancelled": 0}
+        self.stats = {"scheduled": 0, "done": 0, "failed": 0, "cancelled": 0, "rerun": 0}
+        self._published_at = 0.0  # when the counts last went to the scheduler (its /metrics shows them)
+        self._publish_later = False
         # Functions finished, by the generation of servers their trainer knew (see _finished_by_generation).
         self._done_by_generation: collections.Counter[int] = collections.Counter()
         self.last_error: BaseException | None = None
@@ -371,6 +375,29 @@ class ClusterCoordinator:
                 for c in closures:
                     c.batch = key
                 asyncio.ensure_future(self._watch(key, future))
+        self._publish()
+
+    def _publish(self, now: bool = False) -> None:
+        """On the client's event loop: send the counts to the scheduler, at most twice a second.
+
+        The scheduler plugin keeps the latest for its Prometheus endpoint
+        (``/metrics``); counts held back by the limit go half a second later.
+        """
+        wait = PUBLISH_INTERVAL - (time.monotonic() - self._published_at)
+        if wait > 0 and not now:
+            if not self._publish_later:
+                self._publish_later = True
+                self._loop.call_later(wait, self._publish, True)
+            return
+        self._publish_later = False
+        self._published_at = time.monotonic()
+        with self._cond:
+            stats = dict(self.stats, recoveries=len(self.recoveries), in_flight=len(self._pending))
+        asyncio.ensure_future(self._send_stats(stats))
+
+    async def _send_stats(self, stats: dict[str, int]) -> None:
+        with contextlib.suppress(Exception):  # an older scheduler plugin, or the client closing: nothing lost
+            await self._client.scheduler.daskps_coordinator_stats(token=self._strategy.token, stats=stats)
 
     async def _count_trainers(self) -> None:
         """Ask the scheduler how many trainers there are now (workers come and go); pump if it changed."""
@@ -422,6 +449,7 @@ class ClusterCoordinator:
                 else:
                     closure.outcome.finish(payload)
                     self._done(closure)
+        self._publish()
 
     def _done(self, closure: _Closure) -> None:
         self._pending.pop(closure.id, None)
@@ -540,6 +568,7 @@ class ClusterCoordinator:
     def _requeue(self, closure: _Closure) -> None:
         """Queue ``closure`` again, before the functions scheduled after it (under the lock)."""
         self._recovery.requeued()
+        self.stats["rerun"] += 1
         closure.batch = None
         index = bisect.bisect_left([c.id for c in self._queue], closure.id)
         self._queue.insert(index, closure)

@@ -187,6 +187,9 @@ class ServerStats(NamedTuple):
     calls: dict[str, int]
     variables: dict[str, TableInfo]
     counts: dict[str, dict[str, int]]  # per table with counters of its own (hash tables): rows, admitted...
+    bytes_received: int = 0  # in updates and gradients
+    table_reads: dict[str, int] = {}  # by table key: reads of each table (a shard is one)
+    table_updates: dict[str, int] = {}  # updates and gradients applied to each
 
     def as_dict(self) -> dict[str, object]:
         """As ``strategy.ps_stats()`` shows it: a dict, each table as ``(name, shape, dtype)``."""

@@ -21,10 +21,11 @@ from collections import Counter
 from typing import Any, NamedTuple
 
 import dask.config
+from dask.utils import parse_timedelta
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
-from daskps.ps import protocol
+from daskps.ps import prometheus, protocol
 from daskps.ps.group import parse_server_key
 from daskps.ps.ledger import InputLedger
 from daskps.ps.routing import ServerRef
@@ -37,6 +38,8 @@ REPORTED_HANDLER = "daskps_reported"
 TRAINERS_HANDLER = "daskps_trainers"
 CLEANUP_HANDLER = "daskps_run_cleanup"
 INPUT_HANDLER = "daskps_input_claim"
+STATS_HANDLER = "daskps_coordinator_stats"
+CHECKPOINT_TOPIC = "daskps-checkpoints"  # an event per checkpoint written: {"seconds", "bytes", "path"}
 # Logged on a strategy's batch topic when the worker of one of its servers leaves: [LOST, [actor keys]].
 LOST = "daskps-lost-servers"
 
@@ -72,17 +75,58 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
         self.moves: dict[str, tuple] = {}  # actor key of a lost server -> the new server (a ServerRef's fields)
         self.hosts: dict[str, str] = {}  # actor key -> worker address, until the key is forgotten
         self.inputs: dict[str, InputLedger] = {}  # dps.data datasets: who reads which partition or batch
+        # For the Prometheus endpoint (daskps.ps.prometheus): the latest of each.
+        self.server_snapshot: list[dict[str, Any]] = []  # each server's stats() as a row
+        self.coordinator_stats: dict[str, dict[str, int]] = {}  # strategy token -> its coordinator's counts
+        self.checkpoint_saves = {"count": 0, "seconds": 0.0, "bytes": 0, "last_seconds": 0.0}
+        self._refresher: asyncio.Task | None = None
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
         scheduler.handlers[REPORTED_HANDLER] = self.batch_reported
         scheduler.handlers[TRAINERS_HANDLER] = self.count_workers_with
         scheduler.handlers[INPUT_HANDLER] = self.input_claim
+        scheduler.handlers[STATS_HANDLER] = self.coordinator_reported
+        if prometheus.register(self):  # the scheduler's /metrics shows daskps too: keep the servers' numbers
+            self._refresher = asyncio.ensure_future(self._refresh_servers())
         scheduler.handlers[CLEANUP_HANDLER] = self.run_cleanup
         for key, ts in scheduler.tasks.items():  # servers made before the plugin
             if parse_server_key(key) and ts.who_has:
                 self.servers[key] = next(iter(ts.who_has)).address
 
+    async def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+
+    async def _refresh_servers(self) -> None:
+        while True:
+            if self.servers:
+                with contextlib.suppress(Exception):
+                    self.server_snapshot = await self.fetch_server_stats(
+                        parse_timedelta(dask.config.get("daskps.display-timeout")))
+            elif self.server_snapshot:
+                self.server_snapshot = []
+            await asyncio.sleep(parse_timedelta(dask.config.get("daskps.metrics-interval")))
+
+    async def fetch_server_stats(self, timeout: float) -> list[dict[str, Any]]:
+        """``stats()`` of every parameter server, asked directly: a row each (``"error"`` where one did not answer)."""
+        servers = self.server_refs()
+        rows = []
+        for server, result in zip(servers, await protocol.stats_async(self.scheduler.rpc, servers, timeout)):
+            row: dict[str, Any] = {"key": server.actor_key, "address": server.address, "task": server.task_id}
+            if isinstance(result, BaseException):
+                row["error"] = f"{type(result).__name__}: {result}"
+            else:
+                row.update(result.as_dict())
+            rows.append(row)
+        return rows
+
+    def coordinator_reported(self, token: str, stats: dict[str, int]) -> None:
+        """A coordinator's counts (it sends them at most twice a second): the latest are kept, for 64 strategies."""
+        self.coordinator_stats.pop(token, None)
+        self.coordinator_stats[token] = stats
+        while len(self.coordinator_stats) > 64:
+            del self.coordinator_stats[next(iter(self.coordinator_stats))]
     def transition(self, key: Any, start: str, finish: str, *args: Any, stimulus_id: str, **kwargs: Any) -> None:
         if not isinstance(key, str) or not key.startswith("daskps-"):
             return
@@ -103,7 +147,14 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
                 asyncio.ensure_future(_run_on_workers(self.scheduler, list(todo.values())))
 
     def log_event(self, topic: str, msg: Any) -> None:
-        """Scheduled functions finished: ``[batch_key, [FunctionReport fields, ...]]``."""
+        """Scheduled functions finished: ``[batch_key, [FunctionReport fields, ...]]``; checkpoints written."""
+        if topic == CHECKPOINT_TOPIC:
+            saves = self.checkpoint_saves
+            saves["count"] += 1
+            saves["seconds"] += float(msg["seconds"])
+            saves["bytes"] += int(msg["bytes"])
+            saves["last_seconds"] = float(msg["seconds"])
+            return
         if not topic.startswith(BATCH_TOPIC_PREFIX):
             return
         batch_key, finished = msg

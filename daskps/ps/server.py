@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import fsspec
+import numpy as np
 
 from daskps._core import transforms
 from daskps._core.ckpt_io import Written
@@ -79,7 +80,9 @@ class ParameterServer:
         self._optimizers: dict[str, ops.AddOptimizer] = {}
         self._blobs: dict[str, bytes] = {}
         self._staged: dict[str, list[tuple[Table, Staged]]] = {}  # restores read but not yet committed
-        self.reads = self.bytes_read = self.updates = self.messages = 0
+        self.reads = self.bytes_read = self.updates = self.messages = self.bytes_received = 0
+        self.table_reads: Counter[str] = Counter()  # by table key: reads and updates of each shard
+        self.table_updates: Counter[str] = Counter()
         self._shared_reads = False
         self.calls: Counter[str] = Counter()
         self.started = time.time()
@@ -223,6 +226,7 @@ class ParameterServer:
             out = [t.read(index, False) for t, index in zip(tables, op.indices, strict=True)]
         self.reads += len(out)
         self.bytes_read += sum(a.nbytes for a in out)
+        self.table_reads.update(op.keys)
         return out
 
     def update(self, op: ops.Update) -> None:
@@ -233,6 +237,8 @@ class ParameterServer:
         for table, kind, accepted in checked:
             table.apply_update(kind, accepted)
         self.updates += len(checked)
+        self.table_updates.update(key for key, _, _ in op.updates)
+        self.bytes_received += sum(_nbytes(payload) for _, _, payload in op.updates)
 
     def apply_gradients(self, op: ops.ApplyGradients) -> None:
         """Every gradient is checked first; the optimizer's slots stay in the tables."""
@@ -248,6 +254,8 @@ class ParameterServer:
         if counter is not None:
             counter.apply_update("add", 1)
         self.updates += len(checked)
+        self.table_updates.update(key for key, _, _ in checked)
+        self.bytes_received += sum(_nbytes(grad) for _, _, grad in op.items)
 
     # -- checkpoints ----------------------------------------------------------------
     def save(self, op: ops.Save) -> list[Written]:
@@ -291,6 +299,9 @@ class ParameterServer:
             bytes_read=self.bytes_read,
             updates=self.updates,
             messages=self.messages,
+            bytes_received=self.bytes_received,
+            table_reads=dict(self.table_reads),
+            table_updates=dict(self.table_updates),
             uptime=time.time() - self.started,
             calls=dict(self.calls),
             variables={k: ops.TableInfo(*t.info()) for k, t in self._tables.items()},
@@ -309,3 +320,12 @@ _HANDLERS: dict[type, Callable[[ParameterServer, Any], Any]] = {
     ops.StageRestore: ParameterServer.stage_restore, ops.CommitRestore: ParameterServer.commit_restore,
     ops.AbortRestore: ParameterServer.abort_restore, ops.Stats: ParameterServer.stats,
 }
+
+
+def _nbytes(payload: Any) -> int:
+    """Bytes of the arrays in an update's or a gradient's payload (an array, or a tuple of them)."""
+    if isinstance(payload, np.ndarray):
+        return int(payload.nbytes)
+    if isinstance(payload, (tuple, list)):
+        return sum(_nbytes(p) for p in payload)
+    return 0

@@ -28,6 +28,7 @@ array([1., 2.], dtype=float32)
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import re
@@ -39,12 +40,14 @@ from collections.abc import Callable
 from typing import Any
 
 import dask.config
+import distributed
 import fsspec
 import numpy as np
 
 from daskps._core import ckpt_io
 from daskps.ps import protocol
 from daskps.ps.hash_table import SAVED_TENSORS, HashRestoreSpec
+from daskps.ps.plugin import CHECKPOINT_TOPIC
 from daskps.training.metrics import Metric
 from daskps.training.optimizers import Optimizer
 from daskps.ui.progress import watch
@@ -212,6 +215,7 @@ class Checkpoint:
         ``progress`` shows the bytes written as the servers write them;
         ``None`` shows it for models of ``daskps.progress-bytes`` (256 MiB) or more.
         """
+        started = time.monotonic()
         fs, root = fsspec.core.url_to_fs(path)
         _clear(fs, root, path)
         tensors, optimizers = _collect(self._objects)
@@ -237,6 +241,7 @@ class Checkpoint:
                     "tensors": saved}
         fs.pipe_file(f"{root}/{MANIFEST}.tmp", json.dumps(manifest, indent=1).encode())
         fs.mv(f"{root}/{MANIFEST}.tmp", f"{root}/{MANIFEST}")  # the commit point
+        _tell_scheduler(path, time.monotonic() - started, nbytes)
         return path
 
     # -- restoring --------------------------------------------------------------
@@ -672,3 +677,13 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"<daskps.CheckpointManager {self._url!r} checkpoints={len(self._numbers())}>"
+
+
+def _tell_scheduler(path: str, seconds: float, nbytes: int) -> None:
+    """Tell the scheduler of this process's Dask client that a checkpoint was written (its /metrics counts them)."""
+    try:
+        client = distributed.default_client()
+    except ValueError:  # no client in this process: nobody to tell
+        return
+    with contextlib.suppress(Exception):  # a display must not fail a save
+        client.log_event(CHECKPOINT_TOPIC, {"path": path, "seconds": seconds, "bytes": int(nbytes)})

@@ -27,7 +27,6 @@ from typing import Any
 
 from dask.utils import format_bytes
 
-from daskps.ps import protocol
 from daskps.ps.plugin import PLUGIN_NAME, DaskPSSchedulerPlugin
 
 ROUTE = "/individual-daskps"
@@ -36,18 +35,7 @@ ROUTE = "/individual-daskps"
 async def server_stats(scheduler: Any, timeout: float = 1.0) -> list[dict[str, Any]]:
     """``stats()`` of every parameter server the plugin knows, asked directly."""
     plugin = scheduler.plugins.get(PLUGIN_NAME)
-    if plugin is None:
-        return []
-    servers = plugin.server_refs()
-    rows = []
-    for server, result in zip(servers, await protocol.stats_async(scheduler.rpc, servers, timeout)):
-        row: dict[str, Any] = {"key": server.actor_key, "address": server.address, "task": server.task_id}
-        if isinstance(result, BaseException):
-            row["error"] = f"{type(result).__name__}: {result}"
-        else:
-            row.update(result.as_dict())
-        rows.append(row)
-    return rows
+    return [] if plugin is None else await plugin.fetch_server_stats(timeout)
 
 
 def _cell(x: Any) -> str:

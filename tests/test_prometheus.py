@@ -1,0 +1,110 @@
+"""The scheduler's /metrics (Dask's Prometheus endpoint) shows daskps' documented series, and they grow."""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+import daskps as dps
+from daskps.ps.prometheus import METRICS
+
+pytest.importorskip("prometheus_client")  # in the test extra: this runs in CI
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+
+def scrape(cluster) -> dict[tuple[str, tuple], float]:
+    """Every sample on the scheduler's /metrics: (name, sorted labels) -> value."""
+    url = cluster.dashboard_link.replace("/status", "/metrics")
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def daskps_samples(samples, name):
+    return {labels: v for (n, labels), v in samples.items() if n == name}
+
+
+def test_metrics_endpoint_shows_daskps_during_training(tmp_path):
+    import dask.config
+
+    with dask.config.set({"daskps.metrics-interval": "100ms"}), \
+            dps.LocalPSCluster(num_ps=2, num_workers=2) as cluster, cluster.get_client() as client:
+        assert "127.0.0.1" in cluster.dashboard_link
+        strategy = dps.ParameterServerStrategy(client)
+        with strategy.scope():
+            w = dps.Variable(np.zeros((256, 64), np.float32), name="w")
+            b = dps.Variable(np.zeros(64, np.float32), name="b")
+            opt = dps.optimizers.SGD(0.01)
+        coordinator = dps.ClusterCoordinator(strategy)
+
+        def step():
+            w_now, _ = dps.read_values([w, b])
+            opt.apply_gradients([(np.ones_like(w_now), w), (np.ones(64, np.float32), b)])
+
+        def train(n):
+            for _ in range(n):
+                coordinator.schedule(step)
+            coordinator.join()
+            time.sleep(0.5)  # the servers are asked every 100 ms; the coordinator's counts go at join()
+
+        train(20)
+        first = scrape(cluster)
+        train(30)
+        dps.Checkpoint(w=w, b=b).write(str(tmp_path / "ckpt"))
+        time.sleep(0.5)
+        second = scrape(cluster)
+
+    prefix = "dask_daskps_"
+    for name, kind, _, _ in METRICS:
+        full = prefix + name + ("_total" if kind == "counter" else "")
+        if name != "checkpoint_last_save_seconds":  # shown once a checkpoint was written
+            assert daskps_samples(first, full), f"{full} missing from /metrics"
+        assert daskps_samples(second, full), f"{full} missing from /metrics"
+
+    token = strategy.token
+    def one(samples, name, **labels):
+        found = [v for ls, v in daskps_samples(samples, prefix + name).items()
+                 if all(dict(ls).get(k) == x for k, x in labels.items())]
+        assert len(found) == 1, (name, labels, found)
+        return found[0]
+
+    assert one(first, "functions_scheduled_total", strategy=token) == 20
+    assert one(first, "functions_completed_total", strategy=token) == 20
+    assert one(second, "functions_scheduled_total", strategy=token) == 50
+    assert one(second, "functions_completed_total", strategy=token) == 50
+    assert one(second, "functions_failed_total", strategy=token) == 0
+    assert one(second, "functions_in_flight", strategy=token) == 0
+    assert sum(daskps_samples(second, prefix + "trainer_functions_completed_total").values()) == 50
+    servers = {dict(ls)["server"] for ls in daskps_samples(second, prefix + "server_bytes")}
+    assert servers == {"ps-0", "ps-1"}
+    # w (64 KiB) on one server, b (256 bytes) on the other, the optimizer's step count (8 bytes); SGD keeps no slots
+    held = sorted(daskps_samples(second, prefix + "server_bytes").values())
+    assert sum(held) == 256 + 256 * 64 * 4 + 8 and held[1] >= 256 * 64 * 4
+    for name in ("server_reads_total", "server_updates_total", "server_bytes_sent_total",
+                 "server_bytes_received_total", "server_messages_total"):
+        before, after = daskps_samples(first, prefix + name), daskps_samples(second, prefix + name)
+        assert all(after[k] > before[k] for k in before), name  # every server's count grew
+    # every step reads w and b whole and pushes a gradient of each: 20 steps, then 50 in all
+    sent = {dict(ls)["server"]: v for ls, v in daskps_samples(second, prefix + "server_bytes_sent_total").items()}
+    received = {dict(ls)["server"]: v for ls, v in daskps_samples(second, prefix + "server_bytes_received_total").items()}
+    assert sorted(sent.values()) >= [50 * 256, 50 * 65536]  # plus the checkpoint's and the tests' reads
+    assert sorted(received.values()) == [50 * 256, 50 * 65536]
+    assert all(v == 1 for v in daskps_samples(second, prefix + "server_up").values())
+    assert one(second, "checkpoint_saves_total") == 1
+    assert one(second, "checkpoint_bytes_total") == 256 + 65536
+    assert 0 < one(second, "checkpoint_last_save_seconds") == one(second, "checkpoint_save_seconds_total") < 60
+    assert re.fullmatch(r"tcp://127\.0\.0\.1:\d+", dict(next(iter(daskps_samples(second, prefix + "server_up"))))["scheduler"])
+
+
+def test_the_readme_documents_every_series():
+    import pathlib
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for name, kind, labels, _ in METRICS:
+        full = f"dask_daskps_{name}{'_total' if kind == 'counter' else ''}"
+        assert f"| `{full}` | {kind} | {', '.join(['scheduler', *labels])} |" in readme, full
