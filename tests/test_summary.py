@@ -124,7 +124,7 @@ def test_a_writer_of_ones_own_and_a_metric_that_cannot_be_read(coordinator):
     ({"examples_per_step": -1}, ValueError, "examples_per_step must be a positive number or None, got -1"),
     ({"interval": 0}, ValueError, "interval must be a positive number of seconds, got 0"),
     ({"metrics": {"loss": 3}}, TypeError, "metrics must map tags .str. to dps.metrics objects"),
-    ({"logdir": 5}, TypeError, "logdir must be a directory or a writer with add_scalar"),
+    ({"logdir": 5}, TypeError, "logdir must be a directory, a writer with add_scalar.tag, value, step. or None"),
 ])
 def test_bad_arguments_are_refused_by_name(coordinator, tmp_path, kwargs, error, text):
     args = {"logdir": tmp_path, **kwargs}

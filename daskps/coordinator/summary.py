@@ -11,6 +11,7 @@ which TensorBoard reads: ``tensorboard --logdir <logdir>``.
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import os
 import threading
@@ -19,6 +20,7 @@ import warnings
 from typing import Any
 
 from daskps.coordinator.coordinator import ClusterCoordinator
+from daskps.ps.plugin import METRICS_TOPIC
 
 __all__ = ["ScalarLogger", "create_file_writer"]
 
@@ -41,11 +43,13 @@ class ScalarLogger:
     Parameters
     ----------
     coordinator : ClusterCoordinator
-    logdir : str, os.PathLike, or a writer
+    logdir : str, os.PathLike, a writer, or None
         A directory for the event files (made if missing), or any object
         with ``add_scalar(tag, value, step)`` (a ``tensorboardX`` or
         ``torch.utils.tensorboard`` ``SummaryWriter``; it is flushed, not
-        closed, when the logger stops).
+        closed, when the logger stops), or None: no event files. Either way
+        the values also go to the scheduler, whose dashboard plots them
+        (``/individual-daskps-metrics``).
     metrics : dict, optional
         Tag -> a ``dps.metrics`` object (its ``result()``) or a function of
         no arguments returning a number.
@@ -94,10 +98,10 @@ class ScalarLogger:
         self._own = isinstance(logdir, (str, os.PathLike))
         if self._own:
             self.writer: Any = create_file_writer(logdir)
-        elif callable(getattr(logdir, "add_scalar", None)):
+        elif logdir is None or callable(getattr(logdir, "add_scalar", None)):
             self.writer = logdir
         else:
-            raise TypeError(f"logdir must be a directory or a writer with add_scalar(tag, value, step), "
+            raise TypeError(f"logdir must be a directory, a writer with add_scalar(tag, value, step) or None, "
                             f"got {type(logdir).__name__}")
         self.coordinator = coordinator
         self.metrics = metrics
@@ -147,11 +151,21 @@ class ScalarLogger:
                         self._unreadable.add(tag)
                         warnings.warn(f"ScalarLogger: metric {tag!r} could not be read ({type(exc).__name__}: "
                                       f"{exc}); it is left out", RuntimeWarning, stacklevel=2)
-            for tag, value in scalars.items():
-                self.writer.add_scalar(tag, value, step)
-            self.writer.flush()
+            if self.writer is not None:
+                for tag, value in scalars.items():
+                    self.writer.add_scalar(tag, value, step)
+                self.writer.flush()
+            self._tell_scheduler(step, scalars)
             self.steps.append(step)
             self._last = (step, now)
+
+    def _tell_scheduler(self, step: int, scalars: dict[str, float]) -> None:
+        """The values, for the dashboard's plots (best effort: a log must not stop training)."""
+        strategy = self.coordinator.strategy
+        client = strategy.client
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.log_event(METRICS_TOPIC, {"strategy": strategy.token, "step": int(step), "values": scalars})
 
     def stop(self) -> None:
         """Stop watching; write the last step if it was not written; close a writer made here."""
@@ -164,7 +178,7 @@ class ScalarLogger:
                 self.write(done)
         if self._own:
             self.writer.close()
-        else:
+        elif self.writer is not None:
             self.writer.flush()
 
     def __enter__(self) -> ScalarLogger:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
 from collections import Counter
 from typing import Any, NamedTuple
 
@@ -29,8 +31,11 @@ from daskps.ps import prometheus, protocol
 from daskps.ps.group import parse_server_key
 from daskps.ps.ledger import InputLedger
 from daskps.ps.routing import ServerRef
+from daskps.ps.timeline import Timeline
 from daskps.ps.worker_state import WORKER_PLUGIN_NAME, mmap_threshold
 from daskps.ps.worker_state import register as register_worker_plugin
+
+logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "daskps"
 BATCH_TOPIC_PREFIX = "daskps-batches-"
@@ -39,6 +44,7 @@ TRAINERS_HANDLER = "daskps_trainers"
 CLEANUP_HANDLER = "daskps_run_cleanup"
 INPUT_HANDLER = "daskps_input_claim"
 STATS_HANDLER = "daskps_coordinator_stats"
+METRICS_TOPIC = "daskps-metrics"  # metric values a ScalarLogger took: {"strategy", "step", "values": {tag: value}}
 CHECKPOINT_TOPIC = "daskps-checkpoints"  # an event per checkpoint written: {"seconds", "bytes", "path"}
 # Logged on a strategy's batch topic when the worker of one of its servers leaves: [LOST, [actor keys]].
 LOST = "daskps-lost-servers"
@@ -80,6 +86,7 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
         self.coordinator_stats: dict[str, dict[str, int]] = {}  # strategy token -> its coordinator's counts
         self.checkpoint_saves = {"count": 0, "seconds": 0.0, "bytes": 0, "last_seconds": 0.0}
         self._refresher: asyncio.Task | None = None
+        self.timeline = Timeline()  # what the dashboard's plots show
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
@@ -87,8 +94,8 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
         scheduler.handlers[TRAINERS_HANDLER] = self.count_workers_with
         scheduler.handlers[INPUT_HANDLER] = self.input_claim
         scheduler.handlers[STATS_HANDLER] = self.coordinator_reported
-        if prometheus.register(self):  # the scheduler's /metrics shows daskps too: keep the servers' numbers
-            self._refresher = asyncio.ensure_future(self._refresh_servers())
+        prometheus.register(self)  # the scheduler's /metrics (with prometheus_client) shows daskps too
+        self._refresher = asyncio.ensure_future(self._refresh_servers())  # for it and the dashboard's plots
         scheduler.handlers[CLEANUP_HANDLER] = self.run_cleanup
         for key, ts in scheduler.tasks.items():  # servers made before the plugin
             if parse_server_key(key) and ts.who_has:
@@ -99,13 +106,19 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
             self._refresher.cancel()
 
     async def _refresh_servers(self) -> None:
+        """Every ``daskps.metrics-interval``: each server's stats, and a tick of the timeline."""
         while True:
-            if self.servers:
-                with contextlib.suppress(Exception):
+            try:
+                if self.servers:
                     self.server_snapshot = await self.fetch_server_stats(
                         parse_timedelta(dask.config.get("daskps.display-timeout")))
-            elif self.server_snapshot:
-                self.server_snapshot = []
+                elif self.server_snapshot:
+                    self.server_snapshot = []
+                if self.servers or self.coordinator_stats:
+                    self.timeline.record(time.time(), self.server_snapshot, self.coordinator_stats, self.completed,
+                                         self.failed)
+            except Exception:  # never stop looking: the next tick may do
+                logger.exception("daskps: could not refresh the parameter servers' numbers")
             await asyncio.sleep(parse_timedelta(dask.config.get("daskps.metrics-interval")))
 
     async def fetch_server_stats(self, timeout: float) -> list[dict[str, Any]]:
@@ -148,6 +161,10 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
 
     def log_event(self, topic: str, msg: Any) -> None:
         """Scheduled functions finished: ``[batch_key, [FunctionReport fields, ...]]``; checkpoints written."""
+        if topic == METRICS_TOPIC:
+            self.timeline.metric_values(str(msg["strategy"]), time.time(), int(msg["step"]),
+                                        {str(k): float(v) for k, v in msg["values"].items()})
+            return
         if topic == CHECKPOINT_TOPIC:
             saves = self.checkpoint_saves
             saves["count"] += 1
@@ -170,6 +187,7 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
                 safe.append(report.function)
             if where is not None:
                 (self.failed if report.status == "error" else self.completed)[where] += 1
+                self.timeline.function_ran(where, report.seconds)
         for ledger in self.inputs.values():
             if ledger.topic == topic and ledger.queues:
                 ledger.reported(safe)

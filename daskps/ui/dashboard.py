@@ -14,9 +14,10 @@ before the scheduler starts:
   ``dask scheduler --preload daskps.dashboard``.
 
 The numbers come from the scheduler plugin of :mod:`daskps.ps.plugin`, which
-``ParameterServerStrategy`` registers: it notes where each server lives and
-counts completed functions per trainer; the page asks each server for its
-``stats()`` directly, waiting at most a second.
+``ParameterServerStrategy`` registers: it notes where each server lives,
+counts completed functions per trainer and asks every server for its
+``stats()`` once a ``daskps.metrics-interval``; the page shows its latest
+(it asks the servers nothing itself). The plot pages are in :mod:`daskps.ui.plots`.
 """
 
 from __future__ import annotations
@@ -25,17 +26,13 @@ import html
 import time
 from typing import Any
 
-from dask.utils import format_bytes
+import dask.config
+from dask.utils import format_bytes, parse_timedelta
 
 from daskps.ps.plugin import PLUGIN_NAME, DaskPSSchedulerPlugin
+from daskps.ui.plots import PAGES, make_app
 
 ROUTE = "/individual-daskps"
-
-
-async def server_stats(scheduler: Any, timeout: float = 1.0) -> list[dict[str, Any]]:
-    """``stats()`` of every parameter server the plugin knows, asked directly."""
-    plugin = scheduler.plugins.get(PLUGIN_NAME)
-    return [] if plugin is None else await plugin.fetch_server_stats(timeout)
 
 
 def _cell(x: Any) -> str:
@@ -98,18 +95,25 @@ def daskps_doc(scheduler: Any, extra: Any, doc: Any) -> None:
     from bokeh.models import Div  # type: ignore[attr-defined]
 
     div = Div(text=page_html([], {}, scheduler), sizing_mode="stretch_width")
-    previous: dict[str, tuple[float, int, int]] = {}
+    previous: dict[str, tuple[float, int, int]] = {}  # server -> (its uptime, reads, updates) when last shown
+    shown: list[Any] = [None]
 
     async def refresh() -> None:
-        rows = await server_stats(scheduler)
-        now, rates = time.monotonic(), {}
+        plugin = scheduler.plugins.get(PLUGIN_NAME)
+        rows = plugin.server_snapshot if plugin is not None else []  # the plugin asks the servers, once a tick
+        if rows is shown[0]:
+            return  # nothing new since the last refresh
+        shown[0] = rows
+        if plugin is not None and plugin.servers and not rows:  # opened before the plugin's first look
+            rows = await plugin.fetch_server_stats(parse_timedelta(dask.config.get("daskps.display-timeout")))
+        rates = {}
         for r in rows:
             if "error" in r:
                 continue
-            t0, reads0, updates0 = previous.get(r["key"], (now, r["reads"], r["updates"]))
-            dt = max(now - t0, 1e-9)
-            rates[r["key"]] = ((r["reads"] - reads0) / dt, (r["updates"] - updates0) / dt) if now > t0 else (0.0, 0.0)
-            previous[r["key"]] = (now, r["reads"], r["updates"])
+            then, reads0, updates0 = previous.get(r["key"], (r["uptime"], r["reads"], r["updates"]))
+            dt = r["uptime"] - then
+            rates[r["key"]] = ((r["reads"] - reads0) / dt, (r["updates"] - updates0) / dt) if dt > 0 else (0.0, 0.0)
+            previous[r["key"]] = (r["uptime"], r["reads"], r["updates"])
         div.text = page_html(rows, rates, scheduler)
 
     doc.title = "daskps: parameter servers"
@@ -125,6 +129,8 @@ def register_page() -> bool:
     except ImportError:
         return False
     applications.setdefault(ROUTE, daskps_doc)
+    for route, page in PAGES.items():
+        applications.setdefault(route, make_app(page))
     return True
 
 
