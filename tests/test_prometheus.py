@@ -25,8 +25,12 @@ def scrape(cluster) -> dict[tuple[str, tuple], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+SCHEDULER: list[str] = []  # the address of this test's scheduler: a process may run others (the suite's own)
+
+
 def daskps_samples(samples, name):
-    return {labels: v for (n, labels), v in samples.items() if n == name}
+    return {labels: v for (n, labels), v in samples.items()
+            if n == name and dict(labels).get("scheduler") in SCHEDULER}
 
 
 def test_metrics_endpoint_shows_daskps_during_training(tmp_path):
@@ -35,6 +39,7 @@ def test_metrics_endpoint_shows_daskps_during_training(tmp_path):
     with dask.config.set({"daskps.metrics-interval": "100ms"}), \
             dps.LocalPSCluster(num_ps=2, num_workers=2) as cluster, cluster.get_client() as client:
         assert "127.0.0.1" in cluster.dashboard_link
+        SCHEDULER[:] = [cluster.scheduler_address]
         strategy = dps.ParameterServerStrategy(client)
         with strategy.scope():
             w = dps.Variable(np.zeros((256, 64), np.float32), name="w")

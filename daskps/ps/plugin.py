@@ -102,6 +102,7 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
                 self.servers[key] = next(iter(ts.who_has)).address
 
     async def close(self) -> None:
+        prometheus.unregister(self)
         if self._refresher is not None:
             self._refresher.cancel()
 

@@ -117,3 +117,9 @@ def register(plugin: Any) -> bool:
         _COLLECTOR.append(collector)
     _COLLECTOR[0].plugins.add(plugin)
     return True
+
+
+def unregister(plugin: Any) -> None:
+    """``plugin``'s scheduler is closing: its numbers leave ``/metrics``."""
+    if _COLLECTOR:
+        _COLLECTOR[0].plugins.discard(plugin)
