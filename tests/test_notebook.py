@@ -12,6 +12,8 @@ NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "examples" / "daskps_to
 
 def test_notebook_runs_and_shows_the_cluster(tmp_path):
     nb = nbformat.read(NOTEBOOK, as_version=4)
+    stored = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(c.get("outputs") for c in stored[:-1]), "the notebook is stored executed (all but the closing cell)"
     NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     html = [o["data"]["text/html"] for o in outputs if "data" in o and "text/html" in o["data"]]
