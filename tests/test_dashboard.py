@@ -92,3 +92,34 @@ def test_page_shows_each_embedding_table_per_server(client):
     for task, c in zip(tasks, counts):
         assert f"items_on_page ps {task} {c['rows']:,} {c['admitted']:,} {c['evicted']:,}" in section
     assert sum(c["rows"] for c in counts) == 6 and sum(c["evicted"] for c in counts) == 24
+
+
+def test_pages_keep_showing_new_points_once_the_timeline_is_full():
+    """The timeline keeps the latest points only; a page shows each new one once, however full it is."""
+    from bokeh.models import ColumnDataSource  # noqa: F401  (bokeh is in the test extra)
+
+    from daskps.ps.timeline import Timeline
+    from daskps.ui.plots import MetricsPage, TrainersPage
+
+    timeline = Timeline(keep=3, metric_points=3)
+    page = MetricsPage()
+    for step in range(5):
+        timeline.metric_values("token", 1000.0 + step, step, {"loss": float(step), "daskps/failed": 0.0})
+    page.update(timeline)
+    assert list(page.values.source.data["step"]) == [2, 3, 4]  # the 3 kept; daskps' own tags are not metrics
+    for step in range(5, 7):
+        timeline.metric_values("token", 1000.0 + step, step, {"loss": float(step)})
+    page.update(timeline)
+    assert list(page.values.source.data["step"]) == [2, 3, 4, 5, 6]
+    assert list(page.values.source.data["loss"]) == [2.0, 3.0, 4.0, 5.0, 6.0]
+
+    trainers = TrainersPage()
+    for i in range(5):  # a trainer completes 10 functions a second
+        timeline.record(1000.0 + i, [], {"t": {"rerun": i}}, {"tcp://w": 10 * i}, {"tcp://w": 0})
+    trainers.update(timeline)
+    assert list(trainers.functions.source.data["tcp://w"]) == [10.0, 10.0]  # 3 ticks kept: 2 rates
+    assert list(trainers.failures.source.data["re-run"]) == [3.0, 4.0]
+    timeline.record(1005.0, [], {"t": {"rerun": 5}}, {"tcp://w": 70}, {"tcp://w": 1})
+    trainers.update(timeline)
+    assert list(trainers.functions.source.data["tcp://w"]) == [10.0, 10.0, 30.0]
+    assert list(trainers.failures.source.data["failed"]) == [0.0, 0.0, 1.0]

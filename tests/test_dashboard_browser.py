@@ -127,3 +127,4 @@ def test_every_plot_page_draws_its_figures_during_training(tmp_path):
         for title in titles:
             assert state["sources"].get(f"{title} data", 0) > 1, (route, title, state["sources"])
         assert (tmp_path / f"{route.strip('/')}.png").stat().st_size > 10_000
+

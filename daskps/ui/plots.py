@@ -24,7 +24,7 @@ the servers anything, so an open page costs them nothing.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -126,6 +126,7 @@ class Page:
 
     def __init__(self) -> None:
         self.seen = 0.0  # time of the last tick shown
+        self.metrics_seen: dict[str, float] = {}  # strategy token -> time of the last metric point shown
 
     def roots(self) -> list[Any]:
         raise NotImplementedError
@@ -145,6 +146,15 @@ class Page:
     def refresh(self, timeline: Timeline) -> None:
         pass
 
+    def new_metric_points(self, timeline: Timeline) -> Iterator[tuple[str, float, int, dict[str, float]]]:
+        """The metric values ScalarLoggers sent since this page last looked: (strategy, time, step, values)."""
+        seen = self.metrics_seen
+        for token, points in list(timeline.metrics.items()):
+            for when, step, values in list(points):
+                if when > seen.get(token, 0.0):
+                    seen[token] = when
+                    yield token, when, step, values
+
 
 class ThroughputPage(Page):
     title = "daskps: throughput"
@@ -153,7 +163,6 @@ class ThroughputPage(Page):
         super().__init__()
         self.functions = SeriesFigure("Functions completed per second", "functions/s")
         self.examples = SeriesFigure("Examples per second (reported by ScalarLogger)", "examples/s")
-        self.shown: dict[str, int] = {}  # token -> points of its metrics already shown
 
     def roots(self) -> list[Any]:
         return [self.functions.figure, self.examples.figure]
@@ -167,11 +176,9 @@ class ThroughputPage(Page):
             self.functions.add(tick.time, rates)
 
     def refresh(self, timeline: Timeline) -> None:
-        for token, points in timeline.metrics.items():
-            for when, _, values in list(points)[self.shown.get(token, 0):]:
-                if "daskps/examples_per_second" in values:
-                    self.examples.add(when, {f"strategy {token[:8]}": values["daskps/examples_per_second"]})
-            self.shown[token] = len(points)
+        for token, when, _, values in self.new_metric_points(timeline):
+            if "daskps/examples_per_second" in values:
+                self.examples.add(when, {f"strategy {token[:8]}": values["daskps/examples_per_second"]})
 
 
 class MetricsPage(Page):
@@ -180,20 +187,16 @@ class MetricsPage(Page):
     def __init__(self) -> None:
         super().__init__()
         self.values = SeriesFigure("Metrics (ScalarLogger), by step", "value", x="step")
-        self.shown: dict[str, int] = {}
 
     def roots(self) -> list[Any]:
         return [self.values.figure]
 
     def refresh(self, timeline: Timeline) -> None:
         many = len(timeline.metrics) > 1
-        for token, points in timeline.metrics.items():
-            for _, step, values in list(points)[self.shown.get(token, 0):]:
-                mine = {(f"{token[:8]} {k}" if many else k): v for k, v in values.items()
-                        if not k.startswith("daskps/")}
-                if mine:
-                    self.values.add(step, mine)
-            self.shown[token] = len(points)
+        for token, _, step, values in self.new_metric_points(timeline):
+            mine = {(f"{token[:8]} {k}" if many else k): v for k, v in values.items() if not k.startswith("daskps/")}
+            if mine:
+                self.values.add(step, mine)
 
 
 class ServersPage(Page):
