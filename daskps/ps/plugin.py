@@ -31,7 +31,7 @@ from daskps.ps import prometheus, protocol
 from daskps.ps.group import parse_server_key
 from daskps.ps.ledger import InputLedger
 from daskps.ps.routing import ServerRef
-from daskps.ps.timeline import Timeline
+from daskps.ps.timeline import KEEP_STRATEGIES, Timeline
 from daskps.ps.worker_state import WORKER_PLUGIN_NAME, mmap_threshold
 from daskps.ps.worker_state import register as register_worker_plugin
 
@@ -139,7 +139,7 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
         """A coordinator's counts (it sends them at most twice a second): the latest are kept, for 64 strategies."""
         self.coordinator_stats.pop(token, None)
         self.coordinator_stats[token] = stats
-        while len(self.coordinator_stats) > 64:
+        while len(self.coordinator_stats) > KEEP_STRATEGIES:
             del self.coordinator_stats[next(iter(self.coordinator_stats))]
     def transition(self, key: Any, start: str, finish: str, *args: Any, stimulus_id: str, **kwargs: Any) -> None:
         if not isinstance(key, str) or not key.startswith("daskps-"):
@@ -230,6 +230,7 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
                 for key, address in sorted(self.servers.items())]
 
     def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:
+        self.timeline.trainer_left(worker)
         for ledger in self.inputs.values():
             ledger.lost(worker)
         servers = [s for s in self.server_refs() if s.address != worker]

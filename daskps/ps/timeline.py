@@ -16,6 +16,7 @@ from collections import deque
 from typing import Any, NamedTuple
 
 SERVER_FIELDS = ("bytes", "reads", "updates", "bytes_read", "bytes_received")
+KEEP_STRATEGIES = 64  # strategies whose metric values are kept
 
 
 class Tick(NamedTuple):
@@ -59,3 +60,8 @@ class Timeline:
 
     def metric_values(self, token: str, now: float, step: int, values: dict[str, float]) -> None:
         self.metrics.setdefault(token, deque(maxlen=self._metric_points)).append((now, step, dict(values)))
+        while len(self.metrics) > KEEP_STRATEGIES:  # the oldest strategy's values go first
+            del self.metrics[next(iter(self.metrics))]
+
+    def trainer_left(self, trainer: str) -> None:
+        self.durations.pop(trainer, None)
