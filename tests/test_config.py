@@ -25,6 +25,8 @@ EXPECTED = {
     "daskps.recovery-timeout": "60s",
     "daskps.recovery-same-worker-wait": "10s",
     "daskps.display-timeout": "1s",
+    "daskps.metrics-interval": "1s",  # new with the dashboard's plots and /metrics
+    "daskps.progress-bar": "auto",  # new with tqdm
     "daskps.progress-bytes": 256 * 2**20,
     "daskps.large-variable-elements": 1e9,
     "daskps.worker-mmap-threshold": "32MiB",
