@@ -237,7 +237,7 @@ class ParameterServer:
         for table, kind, accepted in checked:
             table.apply_update(kind, accepted)
         self.updates += len(checked)
-        self.table_updates.update(key for key, _, _ in op.updates)
+        self.table_updates.update([key for key, _, _ in op.updates])
         self.bytes_received += sum(_nbytes(payload) for _, _, payload in op.updates)
 
     def apply_gradients(self, op: ops.ApplyGradients) -> None:
@@ -248,14 +248,16 @@ class ParameterServer:
             table = self._get(key)
             checked.append((key, table, table.check_gradient(kind, grad, optimizer.name)))
         counter = None if op.bump is None else self._get(op.bump)
-        for key, table, gradient in checked:
+        per_table, nbytes = self.table_updates, 0
+        for (key, table, gradient), (_, _, grad) in zip(checked, op.items):
             here = transforms.for_variable(optimizer.transform, key, table.name)  # exclude_from_weight_decay
             table.apply_gradient(op.opt_key, here, gradient, optimizer.lazy_sparse)
+            per_table[key] += 1
+            nbytes += grad.nbytes if type(grad) is np.ndarray else _nbytes(grad)
         if counter is not None:
             counter.apply_update("add", 1)
         self.updates += len(checked)
-        self.table_updates.update(key for key, _, _ in checked)
-        self.bytes_received += sum(_nbytes(grad) for _, _, grad in op.items)
+        self.bytes_received += nbytes
 
     # -- checkpoints ----------------------------------------------------------------
     def save(self, op: ops.Save) -> list[Written]:
