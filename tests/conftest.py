@@ -145,16 +145,18 @@ def _start(args, env):
 
 
 @contextlib.contextmanager
-def dask_cli_cluster(tmp_path, resources, scheduler_args=(), worker_env=None):
+def dask_cli_cluster(tmp_path, resources, scheduler_args=(), worker_env=None, scheduler_env=None):
     """A real ``dask scheduler`` and one ``dask worker`` per resource, on 127.0.0.1; yields a Client.
 
-    ``worker_env``: environment variables of the worker processes only.
+    ``worker_env``: environment variables of the worker processes only. A
+    resource given as a dict is a worker started with no ``--resources`` and
+    those environment variables instead. ``scheduler_env``: the scheduler's.
     """
     env = {**os.environ, "DASK_DISTRIBUTED__WORKER__DAEMON": "False"}
     sched_file = tmp_path / "scheduler.json"
     procs = [_start(["distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", "0",
                      "--dashboard-address", "127.0.0.1:0", "--scheduler-file", str(sched_file),
-                     *scheduler_args], env)]
+                     *scheduler_args], {**env, **(scheduler_env or {})})]
     try:
         deadline = time.monotonic() + 60
         while not sched_file.exists():
@@ -162,10 +164,12 @@ def dask_cli_cluster(tmp_path, resources, scheduler_args=(), worker_env=None):
             time.sleep(0.1)
         address = json.loads(sched_file.read_text())["address"]
         for resource in resources:
+            flag = [] if isinstance(resource, dict) else ["--resources", resource]
+            own = resource if isinstance(resource, dict) else {}
             procs.append(_start(["distributed.cli.dask_worker", address, "--host", "127.0.0.1",
-                                 "--nthreads", "1", "--resources", resource, "--no-dashboard",
+                                 "--nthreads", "1", *flag, "--no-dashboard",
                                  "--dashboard-address", "127.0.0.1:0"],  # its HTTP server stays up
-                                {**env, **(worker_env or {})}))
+                                {**env, **(worker_env or {}), **own}))
         with Client(address) as client:
             client.wait_for_workers(len(resources), timeout=60)
             yield client
