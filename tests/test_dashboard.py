@@ -123,3 +123,22 @@ def test_pages_keep_showing_new_points_once_the_timeline_is_full():
     trainers.update(timeline)
     assert list(trainers.functions.source.data["tcp://w"]) == [10.0, 10.0, 30.0]
     assert list(trainers.failures.source.data["failed"]) == [0.0, 0.0, 1.0]
+
+
+def test_servers_of_two_strategies_keep_their_own_lines():
+    """Each strategy numbers its servers from 0: with two on one scheduler, their lines stay apart."""
+    from daskps.ps.timeline import Timeline
+
+    def row(task, token, reads):
+        return {"key": f"daskps-ps-{task}-{token}", "task": task, "address": "tcp://127.0.0.1:1", "nbytes": 8,
+                "slot_nbytes": 0, "reads": reads, "updates": 0, "bytes_read": 0, "bytes_received": 0,
+                "variables": {f"v-{token}": ("v", (1,), "<f4")}, "table_reads": {f"v-{token}": reads}}
+
+    timeline = Timeline()
+    timeline.record(1.0, [row(0, "aaaaaaaaaaaa", 5)], {}, {}, {})
+    assert set(timeline.ticks[-1].servers) == {"ps-0"}  # one strategy: plain names
+    timeline.record(2.0, [row(0, "aaaaaaaaaaaa", 7), row(0, "bbbbbbbbbbbb", 100)], {}, {}, {})
+    servers = timeline.ticks[-1].servers
+    assert set(servers) == {"ps-0 (aaaaaaaa)", "ps-0 (bbbbbbbb)"}
+    assert servers["ps-0 (aaaaaaaa)"][1] == 7 and servers["ps-0 (bbbbbbbb)"][1] == 100
+    assert {server for _, server, _, _ in timeline.tables.values()} == {"ps-0 (aaaaaaaa)", "ps-0 (bbbbbbbb)"}

@@ -636,6 +636,8 @@ class ClusterCoordinator:
             self._cond.notify_all()
         if futures and self._client.status == "running":
             self._client.cancel(futures)
+        with contextlib.suppress(Exception):  # the loop may be closing
+            self._loop.add_callback(self._publish)
         return len(cancelled)
 
     def _wait_for(self, outcome: Outcome) -> None:

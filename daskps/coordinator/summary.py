@@ -123,7 +123,17 @@ class ScalarLogger:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            self.poll()
+            self._guarded(self.poll)
+
+    def _guarded(self, action: Any) -> None:
+        """``action()``; an error is one warning, not the end of logging (a log must not stop training)."""
+        try:
+            action()
+        except Exception as exc:
+            if "writer" not in self._unreadable:
+                self._unreadable.add("writer")
+                warnings.warn(f"ScalarLogger: could not write scalars ({type(exc).__name__}: {exc}); "
+                              "it goes on trying", RuntimeWarning, stacklevel=2)
 
     def poll(self) -> bool:
         """Write now if another ``every_n_steps`` functions have completed since the last write."""
@@ -173,13 +183,12 @@ class ScalarLogger:
         if self._thread is not None:
             self._thread.join()
         done = self.coordinator.summary()["done"]
-        if not self.steps or self.steps[-1] != done:
-            if done > self._last[0]:
-                self.write(done)
+        if (not self.steps or self.steps[-1] != done) and done > self._last[0]:
+            self._guarded(lambda: self.write(done))
         if self._own:
-            self.writer.close()
+            self._guarded(self.writer.close)
         elif self.writer is not None:
-            self.writer.flush()
+            self._guarded(self.writer.flush)
 
     def __enter__(self) -> ScalarLogger:
         return self.start()

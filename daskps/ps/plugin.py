@@ -120,7 +120,11 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
                                          self.failed)
             except Exception:  # never stop looking: the next tick may do
                 logger.exception("daskps: could not refresh the parameter servers' numbers")
-            await asyncio.sleep(parse_timedelta(dask.config.get("daskps.metrics-interval")))
+            try:
+                interval = max(0.1, float(parse_timedelta(dask.config.get("daskps.metrics-interval"))))
+            except Exception:
+                interval = 1.0
+            await asyncio.sleep(interval)
 
     async def fetch_server_stats(self, timeout: float) -> list[dict[str, Any]]:
         """``stats()`` of every parameter server, asked directly: a row each (``"error"`` where one did not answer)."""
@@ -134,6 +138,13 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
                 row.update(result.as_dict())
             rows.append(row)
         return rows
+
+    def _forget_strategy_if_gone(self, server_key: str) -> None:
+        """The last server of a strategy is gone: its counts leave /metrics and the plots."""
+        token = parse_server_key(server_key)[1]  # type: ignore[index]
+        if not any(parse_server_key(k)[1] == token for k in self.hosts):  # type: ignore[index]
+            self.coordinator_stats.pop(token, None)
+            self.timeline.metrics.pop(token, None)
 
     def coordinator_reported(self, token: str, stats: dict[str, int]) -> None:
         """A coordinator's counts (it sends them at most twice a second): the latest are kept, for 64 strategies."""
@@ -156,6 +167,7 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
             self.servers.pop(key, None)
             if finish == "forgotten":
                 self.hosts.pop(key, None)
+                self._forget_strategy_if_gone(key)
             todo = self.cleanups.pop(key, {}) if finish == "forgotten" else {}
             if todo and self.scheduler is not None:
                 asyncio.ensure_future(_run_on_workers(self.scheduler, list(todo.values())))
@@ -231,6 +243,8 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
 
     def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:
         self.timeline.trainer_left(worker)
+        self.completed.pop(worker, None)  # its series end; workers that come and go leave nothing behind
+        self.failed.pop(worker, None)
         for ledger in self.inputs.values():
             ledger.lost(worker)
         servers = [s for s in self.server_refs() if s.address != worker]

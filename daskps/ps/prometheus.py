@@ -25,15 +25,15 @@ import dask.config
 
 # (name after the prefix, kind, labels besides "scheduler", help)
 METRICS = [
-    ("server_bytes", "gauge", ("server", "address"), "Bytes of values and optimizer slots a parameter server holds"),
-    ("server_variables", "gauge", ("server", "address"), "Variables and shards a parameter server holds"),
-    ("server_reads", "counter", ("server", "address"), "Values (whole or rows) a parameter server has sent"),
-    ("server_updates", "counter", ("server", "address"), "Updates and gradients a parameter server has applied"),
-    ("server_bytes_sent", "counter", ("server", "address"), "Bytes of values a parameter server has sent"),
-    ("server_bytes_received", "counter", ("server", "address"),
+    ("server_bytes", "gauge", ("server", "address", "strategy"), "Bytes of values and optimizer slots a parameter server holds"),
+    ("server_variables", "gauge", ("server", "address", "strategy"), "Variables and shards a parameter server holds"),
+    ("server_reads", "counter", ("server", "address", "strategy"), "Values (whole or rows) a parameter server has sent"),
+    ("server_updates", "counter", ("server", "address", "strategy"), "Updates and gradients a parameter server has applied"),
+    ("server_bytes_sent", "counter", ("server", "address", "strategy"), "Bytes of values a parameter server has sent"),
+    ("server_bytes_received", "counter", ("server", "address", "strategy"),
      "Bytes of updates and gradients a parameter server has received"),
-    ("server_messages", "counter", ("server", "address"), "Messages a parameter server has answered"),
-    ("server_up", "gauge", ("server", "address"), "1 if the parameter server answered the last look, else 0"),
+    ("server_messages", "counter", ("server", "address", "strategy"), "Messages a parameter server has answered"),
+    ("server_up", "gauge", ("server", "address", "strategy"), "1 if the parameter server answered the last look, else 0"),
     ("functions_scheduled", "counter", ("strategy",), "Functions a coordinator has scheduled"),
     ("functions_completed", "counter", ("strategy",), "Scheduled functions that completed"),
     ("functions_failed", "counter", ("strategy",), "Scheduled functions that raised"),
@@ -72,7 +72,7 @@ class DaskPSCollector:
         for plugin in list(self.plugins):
             scheduler = getattr(plugin.scheduler, "address", "") or ""
             for row in plugin.server_snapshot:
-                labels = [scheduler, f"ps-{row['task']}", row["address"]]
+                labels = [scheduler, f"ps-{row['task']}", row["address"], str(row["key"]).rsplit("-", 1)[-1]]
                 families["server_up"].add_metric(labels, 0.0 if "error" in row else 1.0)
                 if "error" in row:
                     continue

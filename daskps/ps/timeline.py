@@ -19,6 +19,12 @@ SERVER_FIELDS = ("bytes", "reads", "updates", "bytes_read", "bytes_received")
 KEEP_STRATEGIES = 64  # strategies whose metric values are kept
 
 
+def server_label(row: dict[str, Any], with_strategy: bool) -> str:
+    """``ps-N`` for a server's stats row; with its strategy's token where several strategies have servers."""
+    token = str(row.get("key", "")).rsplit("-", 1)[-1][:8]
+    return f"ps-{row['task']} ({token})" if with_strategy else f"ps-{row['task']}"
+
+
 class Tick(NamedTuple):
     time: float  # seconds since the epoch
     servers: dict[str, tuple[int, ...]]  # "ps-N" -> SERVER_FIELDS
@@ -41,10 +47,11 @@ class Timeline:
         """One tick: the servers' stats rows (as the plugin fetched them) and the counts at ``now``."""
         rows: dict[str, tuple[int, ...]] = {}
         tables = {}
+        several = len({server_label(row, True) for row in servers}) > len({server_label(row, False) for row in servers})
         for row in servers:
             if "error" in row:
                 continue
-            label = f"ps-{row['task']}"
+            label = server_label(row, several)
             rows[label] = (row["nbytes"] + row["slot_nbytes"], row["reads"], row["updates"], row["bytes_read"],
                            row.get("bytes_received", 0))
             names = row.get("variables", {})
@@ -59,7 +66,9 @@ class Timeline:
         self.durations.setdefault(trainer, deque(maxlen=self._durations)).append(seconds)
 
     def metric_values(self, token: str, now: float, step: int, values: dict[str, float]) -> None:
-        self.metrics.setdefault(token, deque(maxlen=self._metric_points)).append((now, step, dict(values)))
+        points = self.metrics.pop(token, None) or deque(maxlen=self._metric_points)
+        self.metrics[token] = points  # the strategy that logged last is the last to be dropped
+        points.append((now, step, dict(values)))
         while len(self.metrics) > KEEP_STRATEGIES:  # the oldest strategy's values go first
             del self.metrics[next(iter(self.metrics))]
 

@@ -685,5 +685,11 @@ def _tell_scheduler(path: str, seconds: float, nbytes: int) -> None:
         client = distributed.default_client()
     except ValueError:  # no client in this process: nobody to tell
         return
-    with contextlib.suppress(Exception):  # a display must not fail a save
-        client.log_event(CHECKPOINT_TOPIC, {"path": path, "seconds": seconds, "bytes": int(nbytes)})
+    msg = {"path": path, "seconds": seconds, "bytes": int(nbytes)}
+    with contextlib.suppress(Exception):  # sent on the client's loop, not waited for: a count must not slow a save
+        client.loop.add_callback(_send_event, client, CHECKPOINT_TOPIC, msg)
+
+
+async def _send_event(client: Any, topic: str, msg: dict) -> None:
+    with contextlib.suppress(Exception):
+        await client.scheduler.log_event(topic=topic, msg=msg)

@@ -150,10 +150,15 @@ class Page:
         """The metric values ScalarLoggers sent since this page last looked: (strategy, time, step, values)."""
         seen = self.metrics_seen
         for token, points in list(timeline.metrics.items()):
-            for when, step, values in list(points):
-                if when > seen.get(token, 0.0):
-                    seen[token] = when
-                    yield token, when, step, values
+            last = seen.get(token, 0.0)
+            new = []
+            for point in reversed(points):  # the newest first: stop at the first already shown
+                if point[0] <= last:
+                    break
+                new.append(point)
+            for when, step, values in reversed(new):
+                seen[token] = when
+                yield token, when, step, values
 
 
 class ThroughputPage(Page):
@@ -246,7 +251,7 @@ class ShardsPage(Page):
             rows = []
             for key, (name, server, reads, updates) in tables.items():
                 old = before.get(key, (name, server, reads, updates))
-                rate = [(reads - old[2]) / (now - then), (updates - old[3]) / (now - then)]
+                rate = [max(0.0, (reads - old[2]) / (now - then)), max(0.0, (updates - old[3]) / (now - then))]
                 rows.append((f"{name} ({server})", PALETTE[servers.index(server) % len(PALETTE)], rate))
             busiest = sorted(rows, key=lambda r: -sum(r[2]))[:40]
             self.load.show(sorted(busiest, key=lambda r: r[0]))  # in a steady order: the tallest bars stand out
