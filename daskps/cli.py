@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import sys
 
+from daskps.coordinator.summary import TENSORBOARD_MISSING
 from daskps.demo import INPUTS, JAX_MISSING, MODELS, DemoConfig, run_demo
 
 
@@ -35,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.model == "jax" and importlib.util.find_spec("jax") is None:
         demo.error(JAX_MISSING)
+    if args.logdir is not None:
+        try:
+            import tensorboardX  # noqa: F401
+        except ImportError:
+            demo.error(f"--logdir: {TENSORBOARD_MISSING}")
     config = DemoConfig(
         num_ps=args.num_ps,
         num_workers=args.num_workers,

@@ -125,3 +125,13 @@ def test_demo_writes_tensorboard_scalars_with_logdir(tmp_path):
     assert len(train) >= 2 and train[-1][0] == 40 and [s for s, _ in train] == sorted({s for s, _ in train})
     assert all(0 < v < 1 for _, v in train)  # a log-loss on balanced-ish labels
     assert all(v > 0 for _, v in scalars["daskps/examples_per_second"])
+
+
+def test_demo_logdir_without_tensorboardx_is_refused_before_any_cluster_starts():
+    code = ("import sys; sys.modules['tensorboardX'] = None; from daskps.cli import main; "
+            "main(['demo', '--logdir', 'tb'])")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2  # argparse's usage error, before anything starts
+    assert 'error: --logdir: writing TensorBoard event files needs tensorboardX: pip install "daskps[tensorboard]"' \
+        in run.stderr
+    assert "starting a LocalPSCluster" not in run.stdout
