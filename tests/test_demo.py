@@ -123,7 +123,8 @@ def test_demo_writes_tensorboard_scalars_with_logdir(tmp_path):
     assert [s for s, _ in scalars["test/log_loss"]] == [20, 40]  # 80 steps of 4 per call: 20 functions an epoch
     train = scalars["train/loss"]
     assert len(train) >= 2 and train[-1][0] == 40 and [s for s, _ in train] == sorted({s for s, _ in train})
-    assert all(0 < v < 1 for _, v in train)  # a log-loss on balanced-ish labels
+    # a log-loss on balanced-ish labels (0 when a write lands just after the epoch reset the metric)
+    assert all(0 <= v < 1 for _, v in train) and any(v > 0 for _, v in train)
     assert all(v > 0 for _, v in scalars["daskps/examples_per_second"])
 
 
