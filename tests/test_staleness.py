@@ -55,6 +55,53 @@ def test_no_read_is_older_than_k_own_steps(strategy, coordinator, k):
     assert counter.numpy() == 300  # every push applied by join()
 
 
+def _applied(strategy, name):
+    """Gradient pushes and updates the servers applied to variable ``name`` (all its shards)."""
+    return sum(n for s in strategy.ps_stats() for key, n in s["table_updates"].items() if key.startswith(name + "@"))
+
+
+def test_sgd_pushes_held_together_are_applied_as_their_sum_and_every_step_counts(strategy, coordinator):
+    """Plain SGD's steps add up: a trainer merges the pushes it holds for a server, at most k + 1 into one."""
+    with strategy.scope():
+        w = dps.Variable(np.zeros((2, 64), np.float32), name="merged")
+        opt = dps.optimizers.SGD(0.5)
+    g = np.arange(128, dtype=np.float32).reshape(2, 64)
+
+    def step():
+        w.numpy()
+        opt.apply_gradients([(g, w)])
+
+    for _ in range(200):
+        coordinator.schedule(step, staleness=4)
+    coordinator.join()
+    np.testing.assert_allclose(w.numpy(), -0.5 * 200 * g, rtol=1e-6)
+    assert opt.iterations.numpy() == 200  # the counter advanced once per step, merged or not
+    applied = _applied(strategy, "merged")
+    assert 200 // 5 <= applied < 200, applied  # merged, never more than k + 1 steps in one push
+
+
+def test_pushes_of_an_optimizer_whose_steps_do_not_add_up_are_applied_one_by_one(strategy, coordinator):
+    """SGD with momentum (Keras' rule ``m = mu * m - lr * g; w += m``) gets each gradient in turn."""
+    with strategy.scope():
+        w = dps.Variable(np.zeros(8, np.float32), name="momentum_w")
+        opt = dps.optimizers.SGD(0.1, momentum=0.9)
+
+    def step():
+        w.numpy()
+        opt.apply_gradients([(np.ones(8, np.float32), w)])
+
+    n = 60
+    for _ in range(n):
+        coordinator.schedule(step, staleness=4)
+    coordinator.join()
+    m = want = np.float32(0)
+    for _ in range(n):
+        m = np.float32(0.9) * m - np.float32(0.1)
+        want += m
+    np.testing.assert_allclose(w.numpy(), np.full(8, want), rtol=1e-5)
+    assert _applied(strategy, "momentum_w") == n
+
+
 @pytest.mark.parametrize("how", ["default", "explicit"])
 def test_k0_reads_see_every_own_push(strategy, coordinator, how):
     counter, reads = _run(strategy, coordinator, 200, **({"staleness": 0} if how == "explicit" else {}))

@@ -411,6 +411,20 @@ def sum_rows(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.nd
     return ordered[starts], np.add.reduceat(values[order], starts, axis=0)
 
 
+def additive(transform: Any) -> bool:
+    """Whether applying gradients one after another equals applying their sum once.
+
+    True for plain gradient descent at a fixed learning rate (no momentum,
+    no weight decay): every step is ``-lr * grad``, independent of the
+    parameter and of the state. Bounded staleness merges such pushes.
+
+    >>> additive(SGDTransform(0.1)), additive(SGDTransform(0.1, momentum=0.9))
+    (True, False)
+    """
+    return (type(transform) is SGDTransform and not transform.momentum and transform.weight_decay is None
+            and not callable(transform.learning_rate))
+
+
 def check_trainable(dtype: np.dtype, name: str, optimizer: str) -> None:
     """Optimizers train floating-point variables only (Keras refuses others too)."""
     if np.dtype(dtype).kind != "f":
@@ -421,16 +435,21 @@ def check_trainable(dtype: np.dtype, name: str, optimizer: str) -> None:
 
 
 def apply_gradient(
-    transform: Transform, param: np.ndarray, state: Any, kind: str, grad: Any, lazy_sparse: bool = True
+    transform: Transform, param: np.ndarray, state: Any, kind: str, grad: Any, lazy_sparse: bool = True,
+    times: int = 1,
 ) -> Any:
     """Apply one checked gradient to ``param`` in place; return the new state.
 
     ``kind`` is ``"dense"`` (an array of ``param``'s shape) or ``"rows"``
     (``(indices, values)``). Rows are row-local when ``lazy_sparse``: only the
     named rows of the parameter and of its slots change, repeated rows summed
-    first. Otherwise they are scattered into a dense gradient.
+    first. Otherwise they are scattered into a dense gradient. ``times`` > 1:
+    ``grad`` adds up that many steps' gradients of an :func:`additive`
+    transform; the state's count advances by ``times``.
     """
     state = transform.init(param) if state is None else state
+    if times != 1:
+        state = state._replace(count=state.count + times - 1)
     if kind == "rows" and not lazy_sparse:
         dense = np.zeros_like(param)
         np.add.at(dense, grad[0], grad[1])

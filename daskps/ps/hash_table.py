@@ -321,10 +321,11 @@ class HashTable(Table):
                              f"{(len(keys), self.spec.dim)}, got {values.shape}")
         return "rows", (keys, values.astype(self.dtype, copy=False), mixed)
 
-    def apply_gradient(self, opt_key: str, transform: Transform, checked: tuple[str, object], lazy_sparse: bool) -> None:
+    def apply_gradient(self, opt_key: str, transform: Transform, checked: tuple[str, object], lazy_sparse: bool,
+                       times: int = 1) -> None:
         keys, values, mixed = cast(tuple[np.ndarray, np.ndarray, np.ndarray], checked[1])
-        self.steps += 1
-        self.clock += 1
+        self.steps += times
+        self.clock += times
         rows = self._find(keys, mixed)
         held = rows >= 0
         if not held.all():
@@ -335,7 +336,8 @@ class HashTable(Table):
         if state is None:
             state = transform.init(self._values)
         # Always row-local: a hash table has no dense form to scatter into.
-        self.slots[opt_key] = transforms.apply_gradient(transform, self._values, state, "rows", (rows, values), True)
+        self.slots[opt_key] = transforms.apply_gradient(transform, self._values, state, "rows", (rows, values), True,
+                                                        times)
         self._updated[rows] = self.steps
         self._used[rows] = self.clock
 

@@ -61,11 +61,17 @@ class AddOptimizer(NamedTuple):
 
 
 class ApplyGradients(NamedTuple):
-    """``(key, kind, gradient)`` through optimizer ``opt_key``; ``bump`` names a counter to add 1 to."""
+    """``(key, kind, gradient)`` through optimizer ``opt_key``; ``bump`` names a counter to add ``times`` to.
+
+    ``times`` > 1: each gradient is the sum of that many steps' gradients
+    (pushes a trainer merged under bounded staleness, see
+    :meth:`daskps.ps.pipeline.Pipeline.defer`); counts advance by ``times``.
+    """
 
     opt_key: str
     items: list[tuple[str, str, Payload]]
     bump: str | None = None
+    times: int = 1
 
 
 class PutBlob(NamedTuple):

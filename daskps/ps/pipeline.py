@@ -59,8 +59,24 @@ class Pipeline:
         self.held_since: int | None = None  # the step when the oldest pending push was queued
         self.reads = StaleReads()  # this batch's steps and the values they read (bounded staleness)
 
-    def defer(self, server: Any, op: ops.Op) -> None:
-        """Hold ``op`` for ``server``; its arrays are copied now (the caller may reuse its buffers)."""
+    def defer(self, server: Any, op: ops.Op, merge: bool = False) -> None:
+        """Hold ``op`` for ``server``; its arrays are copied now (the caller may reuse its buffers).
+
+        ``merge`` (gradients of an optimizer whose steps add up, e.g. SGD
+        without momentum): under bounded staleness, a function that reports
+        without waiting adds its dense gradients into the same push held for
+        this server by an earlier such function, when that push names the
+        same variables; the server then applies the sum once, as it would
+        have applied each in turn, and counts every step it holds.
+        """
+        held = self.pending.get(server)
+        if merge and self.staleness and self.function in self.eager and held:
+            last, owner = held[-1], self.owners[server][-1]
+            if _mergeable(last, op) and (owner in self.eager or owner in self.reported_early):
+                for (_, _, into), (_, _, grad) in zip(last.items, op.items):  # type: ignore[union-attr]
+                    into += grad
+                held[-1] = last._replace(times=last.times + 1)  # type: ignore[union-attr]
+                return
         self.pending.setdefault(server, []).append(_copied(op))
         self.owners.setdefault(server, []).append(self.function)  # type: ignore[arg-type]
         if self.held_since is None:
@@ -177,6 +193,19 @@ def pipelined() -> Iterator[Pipeline]:
         yield pipe
     finally:
         _CURRENT.reset(token)
+
+
+def _mergeable(held: ops.Op, op: ops.Op) -> bool:
+    """Whether gradient push ``op`` can be added into ``held``: the same optimizer, counter and dense variables."""
+    if type(held) is not ops.ApplyGradients or type(op) is not ops.ApplyGradients:
+        return False
+    if held.opt_key != op.opt_key or held.bump != op.bump or len(held.items) != len(op.items):
+        return False
+    for (key, kind, into), (key2, kind2, grad) in zip(held.items, op.items):
+        if (key != key2 or kind != "dense" or kind2 != "dense" or type(into) is not np.ndarray
+                or type(grad) is not np.ndarray or into.shape != grad.shape or into.dtype != grad.dtype):
+            return False
+    return True
 
 
 def _copied(obj: Any) -> Any:

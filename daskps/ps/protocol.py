@@ -115,14 +115,17 @@ def call(calls: Sequence[Call], owner: Owner | None = None) -> list[Result]:
     return _send(calls, owner, held)
 
 
-def _push(calls: list[Call], owner: Owner | None) -> None:
-    """Updates: held back in a pipeline if one runs here (and none goes to this process), else sent now."""
+def _push(calls: list[Call], owner: Owner | None, merge: bool = False) -> None:
+    """Updates: held back in a pipeline if one runs here (and none goes to this process), else sent now.
+
+    ``merge``: gradients whose sum may replace them (see :meth:`pipeline.Pipeline.defer`).
+    """
     pipe = pipeline.current()
     if pipe is None or pipe.function is None or any(s.is_local for s, _ in calls):
         call(calls, owner)
         return
     for server, op in calls:
-        pipe.defer(server, op)
+        pipe.defer(server, op, merge)
 
 
 def flush() -> None:
@@ -194,10 +197,12 @@ def update(items: Sequence[tuple[Target, str, ops.Payload]]) -> None:
 
 
 def apply_gradients(opt_key: str, items: Sequence[tuple[Target, str, ops.Payload]],
-                    counter: Target | None = None) -> None:
+                    counter: Target | None = None, additive: bool = False) -> None:
     """Apply checked ``(target, kind, gradient)`` items with optimizer ``opt_key``, one call per server.
 
     ``counter`` (the optimizer's ``iterations``) is bumped by 1 inside the call to its server.
+    ``additive``: the optimizer's steps add up (:func:`daskps._core.transforms.additive`), so a
+    pipeline under bounded staleness may merge these pushes with held ones.
     """
     targets = [t for t, _, _ in items]
     calls: list[Call] = []
@@ -205,7 +210,7 @@ def apply_gradients(opt_key: str, items: Sequence[tuple[Target, str, ops.Payload
         bump = counter.key if counter is not None and server == counter.server else None
         calls.append((server, ops.ApplyGradients(opt_key, [(items[i][0].key, items[i][1], items[i][2]) for i in idx],
                                                  bump)))
-    _push(calls, _owner([*targets, counter]))
+    _push(calls, _owner([*targets, counter]), merge=additive)
 
 
 def create(made: Sequence[tuple[ServerRef, ops.Create]], owner: Owner | None = None) -> list[ops.Created | Exception]:

@@ -251,11 +251,11 @@ class ParameterServer:
         per_table, nbytes = self.table_updates, 0
         for (key, table, gradient), (_, _, grad) in zip(checked, op.items):
             here = transforms.for_variable(optimizer.transform, key, table.name)  # exclude_from_weight_decay
-            table.apply_gradient(op.opt_key, here, gradient, optimizer.lazy_sparse)
+            table.apply_gradient(op.opt_key, here, gradient, optimizer.lazy_sparse, op.times)
             per_table[key] += 1
             nbytes += grad.nbytes if type(grad) is np.ndarray else _nbytes(grad)
         if counter is not None:
-            counter.apply_update("add", 1)
+            counter.apply_update("add", op.times)
         self.updates += len(checked)
         self.bytes_received += nbytes
 

@@ -62,8 +62,12 @@ class Table(abc.ABC):
         """A gradient of ``kind`` (``"dense"`` or ``"rows"``) checked for optimizer ``optimizer``."""
 
     @abc.abstractmethod
-    def apply_gradient(self, opt_key: str, transform: Transform, checked: tuple[str, object], lazy_sparse: bool) -> None:
-        """Apply a gradient :meth:`check_gradient` accepted, keeping the optimizer's state in ``slots``."""
+    def apply_gradient(self, opt_key: str, transform: Transform, checked: tuple[str, object], lazy_sparse: bool,
+                       times: int = 1) -> None:
+        """Apply a gradient :meth:`check_gradient` accepted, keeping the optimizer's state in ``slots``.
+
+        ``times``: how many steps' gradients it adds up (the optimizer's count advances by that many).
+        """
 
     @abc.abstractmethod
     def info(self) -> tuple[str, tuple[int, ...], str]:
@@ -163,10 +167,11 @@ class DenseTable(Table):
         transforms.check_trainable(self.value.dtype, self.name, optimizer)
         return check_gradient_of_kind(self.value.shape, self.value.dtype, self.name, kind, gradient)
 
-    def apply_gradient(self, opt_key: str, transform: Transform, checked: tuple[str, object], lazy_sparse: bool) -> None:
+    def apply_gradient(self, opt_key: str, transform: Transform, checked: tuple[str, object], lazy_sparse: bool,
+                       times: int = 1) -> None:
         kind, payload = checked
         self.slots[opt_key] = transforms.apply_gradient(transform, self.value, self.slots.get(opt_key), kind,
-                                                        payload, lazy_sparse)
+                                                        payload, lazy_sparse, times)
 
     def info(self) -> tuple[str, tuple[int, ...], str]:
         return self.name, self.value.shape, self.value.dtype.str

@@ -347,7 +347,7 @@ class Optimizer:
                 f"optimizer {self.name!r} was created outside strategy.scope(), so its iterations "
                 "counter is not on a parameter server; create it inside the scope"
             )
-        protocol.apply_gradients(self._key, items, counter)
+        protocol.apply_gradients(self._key, items, counter, transforms.additive(self._transform))
 
     def __repr__(self) -> str:
         rate = self._transform.learning_rate  # a schedule as itself: no call to a server
