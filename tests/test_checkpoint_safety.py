@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 
+import fsspec
 import numpy as np
 import pytest
 
 import daskps as dps
+from daskps._core import ckpt_io
 from tests.test_checkpoint import build, train, values
 
 
@@ -121,3 +123,40 @@ def test_checkpoint_number_must_be_a_count(tmp_path, number):
     with pytest.raises(ValueError, match="checkpoint_number"):
         manager.save(checkpoint_number=number)
     assert list(tmp_path.rglob("*")) == []  # nothing written anywhere
+
+
+def test_pieces_covering_fewer_rows_than_the_tensor_are_refused_exactly(client, tmp_path):
+    """The table's last piece dropped from the manifest: the ValueError the README documents, not a KeyError
+    from the servers, and nothing restored."""
+    strategy, *model = build(client, 2)
+    table, dense, opt, loss = model
+    ckpt = dps.Checkpoint(table=table, dense=dense, opt=opt, loss=loss)
+    path = tmp_path / "c"
+    ckpt.write(str(path))
+    m = _manifest(path)
+    pieces = m["tensors"]["table"]["pieces"]
+    assert m["tensors"]["table"]["shape"] == [12, 3] and [p["rows"] for p in pieces] == [6, 6]
+    pieces.pop()  # rows 6..11 are in no piece
+    _put(path, m)
+    train(*model, steps=2)
+    before = values(*model)
+    stats_before = [s["updates"] for s in strategy.ps_stats()]
+    with pytest.raises(ValueError) as info:
+        ckpt.restore(str(path))
+    assert type(info.value) is ValueError
+    assert str(info.value) == (f"malformed checkpoint manifest {path}/manifest.json: tensor 'table': its pieces "
+                               "cover 6 of 12 rows; nothing was changed")
+    after = values(*model)
+    np.testing.assert_array_equal(after[0], before[0])
+    np.testing.assert_array_equal(after[1], before[1])
+    assert after[2:] == before[2:]
+    assert [s["updates"] for s in strategy.ps_stats()] == stats_before
+
+
+def test_a_server_reading_pieces_that_miss_rows_names_them():
+    """The second line, where a server reads its rows: a ValueError naming the pieces, not a KeyError."""
+    fs = fsspec.filesystem("memory")
+    rec = ckpt_io.write_piece(fs, "/missing-rows", "t", 0, np.zeros((3, 2), np.float32))
+    with pytest.raises(ValueError) as info:
+        ckpt_io.read_rows(fs, "/missing-rows", 1, 5, [rec.piece], (2,), np.dtype(np.float32))
+    assert str(info.value) == "checkpoint pieces ['t@0.npy'] cover 2 of rows 1:5, not all"

@@ -171,7 +171,8 @@ def read_rows(
                 dest[...] = got
             filled += hi - lo
     if filled != stop - start:
-        raise ValueError(f"checkpoint pieces of {pieces[0]['tensor']!r} do not cover rows {start}:{stop}")
+        files = [p["file"] for p in pieces]
+        raise ValueError(f"checkpoint pieces {files} cover {filled} of rows {start}:{stop}, not all")
     return out
 
 
