@@ -264,3 +264,84 @@ def test_optimizer_is_configured_once_not_sent_with_every_step(strategy):
     for _ in range(3):
         opt.apply_gradients([(np.ones(2, np.float32), w)])
     assert [s["calls"].get("add_optimizer", 0) for s in strategy.ps_stats()] == before
+
+
+NAN, INF = float("nan"), float("inf")
+BAD_ARGUMENTS = [
+    # optimizer, arguments, error, exact message
+    ("SGD", {"learning_rate": -0.1}, ValueError, "learning_rate must be a positive finite number, got -0.1"),
+    ("Adam", {"learning_rate": 0}, ValueError, "learning_rate must be a positive finite number, got 0"),
+    ("Adagrad", {"learning_rate": NAN}, ValueError,
+     "learning_rate must be a positive finite number or a LearningRateSchedule, got nan"),
+    ("RMSprop", {"learning_rate": INF}, ValueError,
+     "learning_rate must be a positive finite number or a LearningRateSchedule, got inf"),
+    ("Nadam", {"learning_rate": True}, ValueError,
+     "learning_rate must be a positive finite number or a LearningRateSchedule, got True"),
+    ("SGD", {"momentum": -0.5}, ValueError, "momentum must be a non-negative finite number, got -0.5"),
+    ("SGD", {"momentum": NAN}, ValueError, "momentum must be a non-negative finite number, got nan"),
+    ("SGD", {"momentum": 1.5}, ValueError, "momentum must be in [0, 1], got 1.5"),
+    ("RMSprop", {"momentum": -0.1}, ValueError, "momentum must be a non-negative finite number, got -0.1"),
+    ("SGD", {"momentum": 0.9, "nesterov": "yes"}, TypeError, "nesterov must be True or False, got 'yes'"),
+    ("SGD", {"nesterov": 1}, TypeError, "nesterov must be True or False, got 1"),
+    ("Adam", {"amsgrad": "no"}, TypeError, "amsgrad must be True or False, got 'no'"),
+    ("AdamW", {"amsgrad": None}, TypeError, "amsgrad must be True or False, got None"),
+    ("RMSprop", {"centered": "yes"}, TypeError, "centered must be True or False, got 'yes'"),
+    ("Adam", {"lazy_sparse": "no"}, TypeError, "lazy_sparse must be True or False, got 'no'"),
+    ("Adam", {"epsilon": -1e-7}, ValueError, "epsilon must be a positive finite number, got -1e-07"),
+    ("Adamax", {"epsilon": 0}, ValueError, "epsilon must be a positive finite number, got 0"),
+    ("Nadam", {"epsilon": NAN}, ValueError, "epsilon must be a positive finite number, got nan"),
+    ("RMSprop", {"epsilon": INF}, ValueError, "epsilon must be a non-negative finite number, got inf"),
+    ("Adagrad", {"epsilon": "1e-7"}, ValueError, "epsilon must be a positive finite number, got '1e-7'"),
+    ("Adam", {"beta_1": 1.0}, ValueError, "beta_1 must be in [0, 1), got 1.0"),
+    ("Adam", {"beta_1": NAN}, ValueError, "beta_1 must be in [0, 1), got nan"),
+    ("Adamax", {"beta_2": -0.1}, ValueError, "beta_2 must be in [0, 1), got -0.1"),
+    ("Nadam", {"beta_2": "0.9"}, ValueError, "beta_2 must be in [0, 1), got '0.9'"),
+    ("Lion", {"beta_1": 0.0}, ValueError, "beta_1 must be in (0, 1], got 0.0"),
+    ("Lion", {"beta_2": NAN}, ValueError, "beta_2 must be in [0, 1], got nan"),
+    ("RMSprop", {"rho": 1.5}, ValueError, "rho must be in [0, 1], got 1.5"),
+    ("Adagrad", {"initial_accumulator_value": -0.1}, ValueError,
+     "initial_accumulator_value must be a non-negative finite number, got -0.1"),
+    ("Adagrad", {"initial_accumulator_value": INF}, ValueError,
+     "initial_accumulator_value must be a non-negative finite number, got inf"),
+    ("Ftrl", {"learning_rate_power": 0.5}, ValueError, "learning_rate_power must be a number <= 0, got 0.5"),
+    ("Ftrl", {"learning_rate_power": NAN}, ValueError, "learning_rate_power must be a number <= 0, got nan"),
+    ("Ftrl", {"learning_rate_power": -INF}, ValueError, "learning_rate_power must be a number <= 0, got -inf"),
+    ("Ftrl", {"beta": NAN}, ValueError, "beta must be a non-negative finite number, got nan"),
+    ("Ftrl", {"l1_regularization_strength": -1.0}, ValueError,
+     "l1_regularization_strength must be a non-negative finite number, got -1.0"),
+    ("SGD", {"weight_decay": -0.1}, ValueError, "weight_decay must be a non-negative finite number, got -0.1"),
+    ("Adam", {"weight_decay": NAN}, ValueError, "weight_decay must be a non-negative finite number, got nan"),
+    ("AdamW", {"weight_decay": None}, ValueError,
+     "weight_decay must be a non-negative number for AdamW, got None (use Adam for none)"),
+    ("Adam", {"clipnorm": INF}, ValueError, "clipnorm must be a positive finite number, got inf"),
+    ("SGD", {"clipvalue": 0}, ValueError, "clipvalue must be a positive finite number, got 0"),
+    ("Adam", {"clipnorm": 1.0, "clipvalue": 1.0}, ValueError,
+     "only one of clipnorm, clipvalue and global_clipnorm can be set, got {'clipnorm': 1.0, 'clipvalue': 1.0}"),
+    ("Adam", {"name": 3}, TypeError, "name must be a string, got int"),
+    ("SGD", {"name": ""}, ValueError, "name must be a non-empty string, got ''"),
+]
+
+
+def _server_state(strategy) -> list[tuple]:
+    """What each server holds and has been asked (its stats calls aside)."""
+    return [(s["num_variables"], s["num_optimizers"], {k: n for k, n in s["calls"].items() if k != "stats"})
+            for s in strategy.ps_stats()]
+
+
+@pytest.mark.parametrize("kind, kwargs, error, message", BAD_ARGUMENTS,
+                         ids=[f"{k}-{next(iter(kw))}-{i}" for i, (k, kw, _, _) in enumerate(BAD_ARGUMENTS)])
+def test_a_bad_constructor_argument_is_refused_by_name_before_any_server_hears(strategy, kind, kwargs, error, message):
+    before = _server_state(strategy)
+    with strategy.scope():
+        with pytest.raises(error) as info:
+            getattr(dps.optimizers, kind)(**kwargs)
+    assert type(info.value) is error and str(info.value) == message
+    assert _server_state(strategy) == before
+
+
+def test_numpy_scalars_and_flags_are_accepted(strategy):
+    with strategy.scope():
+        opt = dps.optimizers.Adam(np.float32(0.5), beta_1=np.float64(0.8), amsgrad=np.bool_(True),
+                                  lazy_sparse=np.bool_(False))
+    assert (opt.learning_rate, opt.beta_1, opt.amsgrad, opt.lazy_sparse) == (0.5, 0.8, True, False)
+    assert type(opt.amsgrad) is bool and type(opt.lazy_sparse) is bool

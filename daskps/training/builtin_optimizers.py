@@ -13,10 +13,18 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
+import numpy as np  # noqa: F401  (the examples in the docstrings use it)
 
 from daskps._core import transforms
-from daskps.training.optimizers import Optimizer, check_optional, check_positive, check_rate, check_unit
+from daskps.training.optimizers import (
+    Optimizer,
+    check_flag,
+    check_optional,
+    check_positive,
+    check_rate,
+    check_unit,
+    is_number,
+)
 
 __all__ = ["Adagrad", "Adam", "AdamW", "Adamax", "Ftrl", "Lion", "Nadam", "RMSprop", "SGD"]
 
@@ -52,7 +60,7 @@ class SGD(Optimizer):
         momentum = check_positive(momentum, "momentum", allow_zero=True)
         if momentum > 1:
             raise ValueError(f"momentum must be in [0, 1], got {momentum!r}")
-        transform = transforms.SGDTransform(check_rate(learning_rate), momentum, bool(nesterov),
+        transform = transforms.SGDTransform(check_rate(learning_rate), momentum, check_flag(nesterov, "nesterov"),
                                             check_optional(weight_decay, "weight_decay"))
         super().__init__(transform, lazy_sparse, name, clipnorm, clipvalue, global_clipnorm)
 
@@ -98,7 +106,7 @@ class Adam(Optimizer):
                  clipnorm: float | None = None, clipvalue: float | None = None,
                  global_clipnorm: float | None = None, lazy_sparse: bool = True, name: str = "Adam"):
         transform = transforms.AdamTransform(check_rate(learning_rate), *_betas(beta_1, beta_2),
-                                             check_positive(epsilon, "epsilon"), bool(amsgrad),
+                                             check_positive(epsilon, "epsilon"), check_flag(amsgrad, "amsgrad"),
                                              check_optional(weight_decay, "weight_decay"))
         super().__init__(transform, lazy_sparse, name, clipnorm, clipvalue, global_clipnorm)
 
@@ -139,7 +147,8 @@ class RMSprop(Optimizer):
                  lazy_sparse: bool = True, name: str = "RMSprop"):
         transform = transforms.RMSpropTransform(
             check_rate(learning_rate), check_unit(rho, "rho", high_open=False), check_positive(momentum, "momentum", True),
-            check_positive(epsilon, "epsilon", True), bool(centered), check_optional(weight_decay, "weight_decay"))
+            check_positive(epsilon, "epsilon", True), check_flag(centered, "centered"),
+            check_optional(weight_decay, "weight_decay"))
         super().__init__(transform, lazy_sparse, name, clipnorm, clipvalue, global_clipnorm)
 
 
@@ -161,9 +170,7 @@ class Ftrl(Optimizer):
                  beta: float = 0.0, weight_decay: float | None = None, clipnorm: float | None = None,
                  clipvalue: float | None = None, global_clipnorm: float | None = None,
                  lazy_sparse: bool = True, name: str = "Ftrl"):
-        ok = isinstance(learning_rate_power, (int, float, np.floating, np.integer)) and not isinstance(
-            learning_rate_power, bool)
-        if not ok or learning_rate_power > 0:
+        if not is_number(learning_rate_power) or learning_rate_power > 0:
             raise ValueError(f"learning_rate_power must be a number <= 0, got {learning_rate_power!r}")
         transform = transforms.FtrlTransform(
             check_rate(learning_rate), float(learning_rate_power),

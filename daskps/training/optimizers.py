@@ -48,10 +48,16 @@ from daskps.variables.variable import ShardedVariable, Variable, shards_of
 __all__ = ["Optimizer"]
 
 
+def is_number(value: Any) -> bool:
+    """Whether ``value`` is a finite real number (``bool`` is not one: ``True`` as a rate is a mistake)."""
+    ok = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, (bool, np.bool_))
+    return ok and bool(np.isfinite(value))
+
+
 def check_positive(value: Any, arg: str, allow_zero: bool = False) -> float:
-    ok = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
-    if not ok or value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{arg} must be a {'non-negative' if allow_zero else 'positive'} number, got {value!r}")
+    if not is_number(value) or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{arg} must be a {'non-negative' if allow_zero else 'positive'} finite number, "
+                         f"got {value!r}")
     return float(value)
 
 
@@ -59,8 +65,8 @@ def check_rate(value: Any) -> Any:
     """A learning rate: a positive number, or a schedule (kept as it is, to travel to the servers)."""
     if isinstance(value, schedules.LearningRateSchedule):
         return value
-    if not isinstance(value, (int, float, np.floating, np.integer)) or isinstance(value, bool):
-        raise ValueError(f"learning_rate must be a positive number or a LearningRateSchedule, got {value!r}")
+    if not is_number(value):
+        raise ValueError(f"learning_rate must be a positive finite number or a LearningRateSchedule, got {value!r}")
     return check_positive(value, "learning_rate")
 
 
@@ -70,10 +76,16 @@ def check_optional(value: Any, arg: str, allow_zero: bool = True) -> float | Non
 
 def check_unit(value: Any, arg: str, low_open: bool = False, high_open: bool = True) -> float:
     """A number in [0, 1) (or with other ends open or closed, as ``low_open``/``high_open`` say)."""
-    ok = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
-    if not ok or value < 0 or (low_open and value == 0) or value > 1 or (high_open and value == 1):
+    if not is_number(value) or value < 0 or (low_open and value == 0) or value > 1 or (high_open and value == 1):
         raise ValueError(f"{arg} must be in {'(' if low_open else '['}0, 1{')' if high_open else ']'}, got {value!r}")
     return float(value)
+
+
+def check_flag(value: Any, arg: str) -> bool:
+    """``True`` or ``False``; anything else (``"no"`` is truthy) is refused rather than read as one."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{arg} must be True or False, got {value!r}")
+    return bool(value)
 
 
 class Optimizer:
@@ -107,6 +119,11 @@ class Optimizer:
     def __init__(self, transform: Any, lazy_sparse: bool = True, name: str = "Optimizer",
                  clipnorm: float | None = None, clipvalue: float | None = None,
                  global_clipnorm: float | None = None):
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a string, got {type(name).__name__}")
+        if not name:
+            raise ValueError("name must be a non-empty string, got ''")
+        lazy_sparse = check_flag(lazy_sparse, "lazy_sparse")
         given = {k: v for k, v in (("clipnorm", clipnorm), ("clipvalue", clipvalue),
                                    ("global_clipnorm", global_clipnorm)) if v is not None}
         if len(given) > 1:
