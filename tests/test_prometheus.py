@@ -113,3 +113,34 @@ def test_the_readme_documents_every_series():
     for name, kind, labels, _ in METRICS:
         full = f"dask_daskps_{name}{'_total' if kind == 'counter' else ''}"
         assert f"| `{full}` | {kind} | {', '.join(['scheduler', *labels])} |" in readme, full
+
+
+def test_a_plugin_removed_by_hand_stops_refreshing_and_leaves_metrics():
+    """Dask's ``remove_plugin`` calls no ``close``: the plugin notices, stops asking the servers, and its
+    series leave ``/metrics``."""
+    import dask.config
+
+    with dask.config.set({"daskps.metrics-interval": "100ms"}), \
+            dps.LocalPSCluster(num_ps=1, num_workers=1) as cluster, cluster.get_client() as client:
+        SCHEDULER[:] = [cluster.scheduler_address]
+        strategy = dps.ParameterServerStrategy(client)
+        with strategy.scope():
+            dps.Variable(np.zeros(4, np.float32), name="v")
+        plugin = cluster.scheduler.plugins["daskps"]
+
+        def last_tick():
+            return plugin.timeline.ticks[-1].time if plugin.timeline.ticks else 0.0
+
+        deadline = time.monotonic() + 20
+        while last_tick() == 0.0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        first = last_tick()
+        time.sleep(0.5)
+        assert last_tick() > first  # refreshing while registered
+        assert daskps_samples(scrape(cluster), "dask_daskps_server_up")
+        client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.remove_plugin("daskps"))
+        time.sleep(0.5)  # the refresher looks once per 100 ms
+        stopped = last_tick()
+        time.sleep(0.5)
+        assert last_tick() == stopped
+        assert not daskps_samples(scrape(cluster), "dask_daskps_server_up")

@@ -107,8 +107,17 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
             self._refresher.cancel()
 
     async def _refresh_servers(self) -> None:
-        """Every ``daskps.metrics-interval``: each server's stats, and a tick of the timeline."""
+        """Every ``daskps.metrics-interval``: each server's stats, and a tick of the timeline.
+
+        Stops once this plugin is no longer the scheduler's (Dask's ``remove_plugin`` calls no ``close``).
+        """
+        registered = False
         while True:
+            if self.scheduler.plugins.get(PLUGIN_NAME) is self:
+                registered = True
+            elif registered:
+                prometheus.unregister(self)
+                return
             try:
                 if self.servers:
                     self.server_snapshot = await self.fetch_server_stats(
