@@ -6,6 +6,7 @@ import re
 import time
 import urllib.request
 
+import distributed
 import numpy as np
 import pytest
 
@@ -144,3 +145,24 @@ def test_a_plugin_removed_by_hand_stops_refreshing_and_leaves_metrics():
         time.sleep(0.5)
         assert last_tick() == stopped
         assert not daskps_samples(scrape(cluster), "dask_daskps_server_up")
+
+
+def test_a_checkpoint_is_counted_by_the_scheduler_of_its_variables_not_the_default_clients(tmp_path):
+    with dps.LocalPSCluster(num_ps=1, num_workers=1) as ours, ours.get_client() as client, \
+            dps.LocalPSCluster(num_ps=1, num_workers=1) as other, other.get_client() as other_client:
+        assert distributed.default_client() is other_client  # the newest client is the default
+        dps.ParameterServerStrategy(other_client)  # its scheduler counts checkpoints too
+        strategy = dps.ParameterServerStrategy(client)
+        with strategy.scope():
+            v = dps.Variable(np.zeros(4, np.float32), name="v")
+        dps.Checkpoint(v=v).write(str(tmp_path / "ckpt"))
+
+        def saves(cluster):
+            plugin = cluster.scheduler.plugins["daskps"]
+            deadline = time.monotonic() + 10
+            while plugin.checkpoint_saves["count"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return plugin.checkpoint_saves["count"]
+
+        assert saves(ours) == 1
+        assert saves(other) == 0

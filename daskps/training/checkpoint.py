@@ -241,7 +241,9 @@ class Checkpoint:
                     "tensors": saved}
         fs.pipe_file(f"{root}/{MANIFEST}.tmp", json.dumps(manifest, indent=1).encode())
         fs.mv(f"{root}/{MANIFEST}.tmp", f"{root}/{MANIFEST}")  # the commit point
-        _tell_scheduler(path, time.monotonic() - started, nbytes)
+        owner = next((v.handle.owner for t in tensors.values() for v, _ in t.parts if v.handle.owner is not None),
+                     None)
+        _tell_scheduler(getattr(owner, "client", None), path, time.monotonic() - started, nbytes)
         return path
 
     # -- restoring --------------------------------------------------------------
@@ -679,12 +681,14 @@ class CheckpointManager:
         return f"<daskps.CheckpointManager {self._url!r} checkpoints={len(self._numbers())}>"
 
 
-def _tell_scheduler(path: str, seconds: float, nbytes: int) -> None:
-    """Tell the scheduler of this process's Dask client that a checkpoint was written (its /metrics counts them)."""
-    try:
-        client = distributed.default_client()
-    except ValueError:  # no client in this process: nobody to tell
-        return
+def _tell_scheduler(client: Any, path: str, seconds: float, nbytes: int) -> None:
+    """Tell the scheduler that a checkpoint was written (its /metrics counts them): the scheduler of
+    ``client`` (the strategy's that holds the variables), else of this process's default client."""
+    if client is None:
+        try:
+            client = distributed.default_client()
+        except ValueError:  # no client in this process: nobody to tell
+            return
     msg = {"path": path, "seconds": seconds, "bytes": int(nbytes)}
     with contextlib.suppress(Exception):  # sent on the client's loop, not waited for: a count must not slow a save
         client.loop.add_callback(_send_event, client, CHECKPOINT_TOPIC, msg)
