@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -72,10 +72,12 @@ class Pipeline:
         held = self.pending.get(server)
         if merge and self.staleness and self.function in self.eager and held:
             last, owner = held[-1], self.owners[server][-1]
-            if _mergeable(last, op) and (owner in self.eager or owner in self.reported_early):
-                for (_, _, into), (_, _, grad) in zip(last.items, op.items):  # type: ignore[union-attr]
-                    into += grad
-                held[-1] = last._replace(times=last.times + 1)  # type: ignore[union-attr]
+            if (isinstance(last, ops.ApplyGradients) and isinstance(op, ops.ApplyGradients) and _mergeable(last, op)
+                    and (owner in self.eager or owner in self.reported_early)):
+                for (_, _, into), (_, _, grad) in zip(last.items, op.items):
+                    held_grad = cast(np.ndarray, into)  # both arrays (checked); this pipeline's own copy
+                    np.add(held_grad, cast(np.ndarray, grad), out=held_grad)
+                held[-1] = last._replace(times=last.times + 1)
                 return
         self.pending.setdefault(server, []).append(_copied(op))
         self.owners.setdefault(server, []).append(self.function)  # type: ignore[arg-type]
@@ -195,10 +197,8 @@ def pipelined() -> Iterator[Pipeline]:
         _CURRENT.reset(token)
 
 
-def _mergeable(held: ops.Op, op: ops.Op) -> bool:
+def _mergeable(held: ops.ApplyGradients, op: ops.ApplyGradients) -> bool:
     """Whether gradient push ``op`` can be added into ``held``: the same optimizer, counter and dense variables."""
-    if type(held) is not ops.ApplyGradients or type(op) is not ops.ApplyGradients:
-        return False
     if held.opt_key != op.opt_key or held.bump != op.bump or len(held.items) != len(op.items):
         return False
     for (key, kind, into), (key2, kind2, grad) in zip(held.items, op.items):
