@@ -52,7 +52,10 @@ def test_operators_and_ufuncs():
     np.testing.assert_array_equal(sv1 + sv2, [2.0, 4.0])
     np.testing.assert_array_equal(10 - sv1, [9.0, 8.0])
     np.testing.assert_array_equal(np.exp(sv1), np.exp(np.array([1.0, 2.0], np.float32)))
-    assert {sv1.ref(), sv2.ref()} and sv1.ref() != sv2.ref()
+    # ref(): hashable, equal for the same variable, different for an equal-valued other one
+    assert sv1.ref() == sv1.ref() and hash(sv1.ref()) == hash(sv1.ref()) and sv1.ref() != sv2.ref()
+    assert len({sv1.ref(), sv1.ref(), sv2.ref()}) == 2
+    assert {sv1.ref(): "one"}[sv1.ref()] == "one" and sv1.ref().deref() is sv1
     with pytest.raises(TypeError):
         hash(sv1)
 

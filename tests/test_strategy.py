@@ -94,10 +94,8 @@ def test_run_inside_scheduled_function_is_replica_zero(strategy, coordinator):
                     dps.in_cross_replica_context(), dps.get_strategy() is strategy, y * 2)
         return strategy.run(replica_fn, args=(x,))
 
-    result = coordinator.schedule(step, args=(21,)).fetch()
-    assert result[:2] == (0, 1)
-    assert result[2] is False
-    assert result[4] == 42
+    # replica 0 of 1, in a replica context (not cross-replica), under the strategy that scheduled it
+    assert coordinator.schedule(step, args=(21,)).fetch() == (0, 1, False, True, 42)
 
 
 def test_scheduled_function_runs_in_cross_replica_scope(strategy, coordinator):
