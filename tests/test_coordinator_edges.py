@@ -128,13 +128,46 @@ def _raise_two_arg():
     raise TwoArgError("bad", 3)
 
 
-def test_an_error_that_does_not_unpickle_still_fails_join(coordinator):
+def test_an_error_that_does_not_unpickle_arrives_as_a_runtime_error_with_its_text(coordinator):
+    """README: an exception that cannot be rebuilt arrives as a RuntimeError with its text (here it does not
+    even unpickle on the worker: extra __init__ arguments)."""
     rv = coordinator.schedule(_raise_two_arg)
     state = _in_thread(coordinator.join, 20)
     assert state[0] == "raised", (
         f"join() still blocked 20 s after the function failed ({rv!r}): the event handler died "
         "unpickling the exception"
     )
+    assert type(state[1]) is RuntimeError and str(state[1]) == "TwoArgError: bad", repr(state[1])
+    with pytest.raises(RuntimeError, match=r"^TwoArgError: bad\n"):  # its own RemoteValue: the same error
+        rv.fetch()
+
+
+class OnlyOnWorkers(Exception):
+    """Pickles everywhere, unpickles only in a Dask worker (as a class only the workers can import would)."""
+
+    def __reduce__(self):
+        return _only_on_workers, (str(self),)
+
+
+def _only_on_workers(text):
+    from distributed import get_worker
+
+    get_worker()  # ValueError outside a worker
+    return OnlyOnWorkers(text)
+
+
+def _raise_only_on_workers():
+    raise OnlyOnWorkers("made on worker 7")
+
+
+def test_an_error_that_unpickles_only_on_the_workers_arrives_as_a_runtime_error_with_its_text(coordinator):
+    rv = coordinator.schedule(_raise_only_on_workers)
+    state = _in_thread(coordinator.join, 20)
+    assert state[0] == "raised", f"join() did not raise: {state!r}"
+    assert type(state[1]) is RuntimeError and str(state[1]) == "OnlyOnWorkers: made on worker 7", repr(state[1])
+    with pytest.raises(RuntimeError, match=r"^OnlyOnWorkers: made on worker 7\n"):
+        rv.fetch()
+    assert coordinator.schedule(_ok, args=(3,)).fetch() == 3  # and the coordinator goes on
 
 
 def _interrupt(*_):

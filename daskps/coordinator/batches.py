@@ -235,18 +235,29 @@ _NONE = dumps(None)
 
 
 def _pickled_error(exc: BaseException) -> bytes:
+    """``exc``, its traceback and its text: the text survives an exception that cannot be rebuilt."""
     where = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    text = f"{type(exc).__name__}: {exc}"
     try:
-        payload = dumps((exc, where))
-        pickle.loads(payload)  # some exceptions pickle but do not unpickle (extra __init__ arguments)
-        return payload
+        blob = dumps(exc)
+        pickle.loads(blob)  # some exceptions pickle but do not unpickle (extra __init__ arguments)
     except Exception:
-        return dumps((RuntimeError(f"{type(exc).__name__}: {exc}"), where))
+        blob = dumps(RuntimeError(text))
+    return dumps((blob, where, text))
 
 
 def load_error(payload: bytes) -> BaseException:
-    """The exception a function raised on a worker, with the worker's traceback as a note."""
-    exc, where = pickle.loads(payload)
-    if hasattr(exc, "add_note"):
+    """The exception a function raised on a worker, with the worker's traceback as a note.
+
+    One that cannot be rebuilt here (its class unpickles only on the
+    workers, say) arrives as a ``RuntimeError`` with its text.
+    """
+    blob, where, text = pickle.loads(payload)
+    try:
+        exc = pickle.loads(blob)
+    except Exception as why:
+        exc = RuntimeError(text)
+        where = f"{where}(it cannot be rebuilt here: {type(why).__name__}: {why})\n"
+    if hasattr(exc, "add_note"):  # Python 3.11+
         exc.add_note(f"raised in a scheduled function on a worker:\n{where}")
     return exc

@@ -436,11 +436,7 @@ class ClusterCoordinator:
                     continue  # its result comes with the batch
                 if status == ERROR:
                     assert payload is not None  # an error always carries itself
-                    try:
-                        error = load_error(payload)
-                    except Exception as exc:  # it pickled on the worker but does not unpickle here
-                        error = RuntimeError(f"a scheduled function raised an exception that cannot be "
-                                             f"rebuilt here ({type(exc).__name__}: {exc})")
+                    error = load_error(payload)  # one that cannot be rebuilt here: a RuntimeError with its text
                     if self._run_again(closure, error):
                         self._recovery.lossy.add(batch_key)
                     else:
