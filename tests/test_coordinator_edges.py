@@ -11,7 +11,7 @@ from distributed import Event, Variable
 
 import daskps as dps
 
-from .conftest import PickySGD, kill_worker, wait_for_worker
+from .conftest import PickySGD, kill_worker, wait_for_worker, worker_address
 
 
 def _boom():
@@ -94,6 +94,13 @@ def _block(gate, which):
     return "released"
 
 
+def _completed_on(address, dask_scheduler=None):
+    """How many scheduled functions the scheduler's plugin has seen finish on trainer ``address``."""
+    from daskps.ps.plugin import PLUGIN_NAME
+
+    return dask_scheduler.plugins[PLUGIN_NAME].completed[address]
+
+
 def test_a_big_result_survives_its_trainer_dying_later_in_the_batch(fresh_cluster):
     cluster, client = fresh_cluster
     strategy = dps.ParameterServerStrategy(client)
@@ -105,7 +112,12 @@ def test_a_big_result_survives_its_trainer_dying_later_in_the_batch(fresh_cluste
         blocked = coordinator.schedule(_block, args=("edges-big-gate", "edges-big-which"))
         others = [coordinator.schedule(_ok, args=(i,)) for i in range(2)]
     name = which.get(timeout=60)
-    time.sleep(1.0)  # big has reported (status "big") through the scheduler: the plugin counts it done
+    address = worker_address(client, name)
+    deadline = time.monotonic() + 60
+    while client.run_on_scheduler(_completed_on, address) < 1:  # big has reported (status "big") through
+        assert time.monotonic() < deadline, "big() never reported"  # the scheduler: the plugin counts it done
+        time.sleep(0.02)
+    assert client.run_on_scheduler(_completed_on, address) == 1 and blocked.status == "pending"  # big only
     old = kill_worker(client, name)
     gate.set()
     wait_for_worker(client, name, old)
@@ -175,12 +187,15 @@ def _interrupt(*_):
 
 
 def _busy(path, seconds):
-    """On a worker's event loop (``client.run``): say so, then block it."""
+    """On a worker's event loop (``client.run``): say so, block it, then say it is over."""
     open(path, "w").close()
     time.sleep(seconds)
+    open(path + ".over", "w").close()
 
 
-def test_an_interrupted_read_leaves_the_channel_in_step(strategy, client, tmp_path):
+def test_an_interrupted_read_leaves_the_channel_in_step(strategy, client, tmp_path, monkeypatch):
+    from daskps.ps import channel
+
     with strategy.scope():
         vs = [dps.Variable(np.full(3, float(i)), name=f"chan_{i}") for i in range(4)]
     server = vs[0]._ref.server
@@ -189,40 +204,76 @@ def test_an_interrupted_read_leaves_the_channel_in_step(strategy, client, tmp_pa
     assert a.numpy().tolist() == [0.0] * 3  # channel open
     expect_b = b.numpy().tolist()
 
-    # Keep the server's event loop busy for 2 s (as a long operation would).
+    # The interrupt lands once the read is sent and its answer awaited: when the channel starts reading.
+    waiting = threading.Event()
+    real_receive = channel._receive
+
+    def receiving(sock, n):
+        waiting.set()
+        try:
+            return real_receive(sock, n)
+        except KeyboardInterrupt:
+            landed["in the read"] = True
+            raise
+
+    landed = {}
+    monkeypatch.setattr(channel, "_receive", receiving)
+    # Keep the server's event loop busy for 2 s (as a long operation would): the answer cannot come meanwhile.
     flag = tmp_path / "busy"
     busy = threading.Thread(target=client.run, args=(_busy, str(flag), 2.0), kwargs={"workers": [server.address]})
     busy.start()
     while not flag.exists():
         time.sleep(0.01)
+
+    def interrupt():
+        if waiting.wait(30):
+            landed["server busy"] = not (tmp_path / "busy.over").exists()
+            os.kill(os.getpid(), signal.SIGUSR1)
+
     old = signal.signal(signal.SIGUSR1, _interrupt)
-    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGUSR1))
+    timer = threading.Thread(target=interrupt, daemon=True)
     try:
         timer.start()
         with pytest.raises(KeyboardInterrupt):  # Ctrl-C in a notebook during a read
             a.numpy()
+            time.sleep(5)  # a read that returned (no interrupt landed in it): the interrupt must still come
     finally:
-        timer.cancel()
+        timer.join(30)
         signal.signal(signal.SIGUSR1, old)
+    monkeypatch.undo()
     busy.join()
+    assert landed == {"server busy": True, "in the read": True}, f"the interrupt did not land while a's answer was awaited: {landed}"
     got = b.numpy().tolist()
     assert got == expect_b, f"b.numpy() returned {got} (a's stale answer), not {expect_b}"
 
 
-def _sleep_forever_ish(gate):
-    from distributed import Event
+def _started_then_blocked(gate, which):
+    from distributed import Event, Variable
 
+    Variable(which).set("running")
     Event(gate).wait(120)
     return "late"
 
 
-def test_a_batch_cancelled_outside_the_coordinator_does_not_hang_join(fresh_cluster):
-    """A batch future cancelled by Dask (here client.restart()) fails its functions instead of leaving them pending."""
+def test_a_batch_cancelled_by_client_restart_fails_its_functions_with_cancelled_error(fresh_cluster):
+    """README: a batch that Dask itself cancels (client.restart()) fails its remaining functions with
+    CancelledError, raised by the next join."""
     cluster, client = fresh_cluster
     strategy = dps.ParameterServerStrategy(client)
     coordinator = dps.ClusterCoordinator(strategy)
-    rv = coordinator.schedule(_sleep_forever_ish, args=("edges-restart-gate",))
-    time.sleep(2.0)
+    running = Variable("edges-restart-running", client=client)
+    rv = coordinator.schedule(_started_then_blocked, args=("edges-restart-gate", "edges-restart-running"))
+    queued = [coordinator.schedule(_ok, args=(i,)) for i in range(2)]
+    assert running.get(timeout=60) == "running"  # the restart lands while the function runs
+    assert rv.status == "pending"
     client.restart()
     state = _in_thread(coordinator.join, 60)
     assert state[0] != "blocked", f"join() still blocked 60 s after client.restart(): {rv!r}"
+    assert state[0] == "raised" and type(state[1]) is dps.errors.CancelledError, state
+    assert "client.restart()" in str(state[1]), state
+    with pytest.raises(dps.errors.CancelledError):
+        rv.fetch()
+    for q in queued:  # the other functions: finished before the restart, or cancelled with it
+        got = _in_thread(q.fetch, 10)
+        assert got[0] == "ok" or isinstance(got[1], dps.errors.CancelledError), got
+    assert coordinator.done() and coordinator.summary()["in_flight"] == 0
