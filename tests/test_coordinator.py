@@ -10,7 +10,7 @@ from distributed import Client, Event
 import daskps as dps
 from daskps.errors import CancelledError, ClosedError, PSUnavailableError
 
-from .conftest import kill_worker, wait_for_worker
+from .conftest import kill_worker, wait_for_worker, worker_address
 
 
 def test_one_coordinator_per_strategy(strategy):
@@ -174,6 +174,10 @@ def test_error_surfaces_from_done(coordinator):
 
 def test_worker_death_reruns_closures(fresh_cluster):
     """At-least-once: a killed worker's functions run again elsewhere; join succeeds."""
+    import os
+
+    from distributed import get_worker
+
     cluster, client = fresh_cluster
     strategy = dps.ParameterServerStrategy(client)
     coordinator = dps.ClusterCoordinator(strategy)
@@ -183,12 +187,25 @@ def test_worker_death_reruns_closures(fresh_cluster):
     def step():
         time.sleep(0.05)
         count.assign_add(1)
+        return get_worker().get_current_task(), os.getpid()  # its batch, and the process that ran it
 
-    remotes = [coordinator.schedule(step) for _ in range(60)]
-    time.sleep(0.5)
-    old = kill_worker(client, "worker-0")
+    with coordinator._cond:  # one pump sees all 60: two batches of 30 (1.5 s each), one per trainer
+        remotes = [coordinator.schedule(step) for _ in range(60)]
+    victim = client.run(os.getpid, workers=[worker_address(client, "worker-0")])
+    (victim,) = victim.values()
+    deadline = time.monotonic() + 60
+    while not any(r.status == "finished" and r.fetch()[1] == victim for r in remotes):
+        assert time.monotonic() < deadline, "worker-0 never finished a function"
+        time.sleep(0.01)
+    old = kill_worker(client, "worker-0")  # part-way through its batch
     coordinator.join()
-    assert all(r.fetch() is None for r in remotes)
+    ran = [r.fetch() for r in remotes]
+    by_batch = {}
+    for batch, pid in ran:
+        by_batch.setdefault(batch, set()).add(pid)
+    (killed,) = [pids for pids in by_batch.values() if victim in pids]
+    # the killed worker's batch: some functions reported from it, the rest ran again in another process
+    assert len(killed) == 2, by_batch
     assert int(count.numpy()) >= 60
     wait_for_worker(client, "worker-0", old)
 

@@ -175,6 +175,37 @@ def test_server_memory_returns_after_300_mb_are_dropped(fresh_cluster):
 
 
 # -- handles held on workers count ----------------------------------------------------------
+def _holders_on(keys, dask_worker=None):
+    """On a ps worker: who the servers there count as holding each of ``keys`` (absent: not held),
+    as ``{"coordinator": n, "trainer": n}`` (a trainer's holder id names its worker: ``...@address``)."""
+    from daskps.ps.server import ParameterServer
+
+    out = {}
+    for actor in dask_worker.state.actors.values():
+        if isinstance(actor, ParameterServer):
+            for key in set(keys) & set(actor._holders):
+                counts = {}
+                for holder, n in actor._holders[key].items():
+                    kind = "trainer" if "@" in holder else "coordinator"
+                    counts[kind] = counts.get(kind, 0) + n
+                out[key] = {kind: n for kind, n in counts.items() if n > 0}
+    return out
+
+
+def holders(client, keys):
+    """``{key: {"coordinator": n, "trainer": n}}`` for those of ``keys`` some server still holds."""
+    out = {}
+    for found in client.run(_holders_on, list(keys)).values():
+        out.update(found)
+    return out
+
+
+def wait_for_coordinator_release(client, keys):
+    """Wait until the coordinator's releases of ``keys`` have reached their servers (they travel
+    asynchronously); return who holds each key then."""
+    return wait_until(lambda: (lambda h: h if all("coordinator" not in h.get(k, {}) for k in keys) else None)(
+        holders(client, keys)), what=f"the coordinator's release of {keys}")
+
 def _keep(v):
     get_worker()._daskps_test_kept = v
 
@@ -199,10 +230,11 @@ def test_handles_kept_on_a_worker_keep_the_variable(fresh_cluster):
     coordinator.schedule(_keep, args=(v,))
     coordinator.join()
     holder = [a for a, has in client.run(lambda dask_worker: hasattr(dask_worker, "_daskps_test_kept")).items() if has]
+    assert holders(client, [key]) == {key: {"coordinator": 1, "trainer": 1}}
     del v  # the coordinator's last handle
-    gc.collect()
-    time.sleep(0.5)
-    assert any(key in s["variables"] for s in strategy.ps_stats())  # the worker still holds it
+    # once the coordinator's release has reached the server, the worker's hold keeps the variable there
+    assert wait_for_coordinator_release(client, [key]) == {key: {"trainer": 1}}
+    assert any(key in s["variables"] for s in strategy.ps_stats())
     got = client.submit(_read_kept, workers=holder, pure=False).result()
     assert got.tolist() == [5.0]
     client.run(_drop_kept, workers=holder)
@@ -221,8 +253,7 @@ def test_a_trainer_that_dies_holding_handles_leaks_nothing(fresh_cluster):
     held = client.run(lambda dask_worker: hasattr(dask_worker, "_daskps_test_kept"))
     name = next(info["name"] for a, info in cluster_workers(client).items() if held.get(a))
     del v
-    gc.collect()
-    time.sleep(0.5)
+    assert wait_for_coordinator_release(client, [key]) == {key: {"trainer": 1}}  # held by the trainer only
     assert any(key in s["variables"] for s in strategy.ps_stats())
     kill_worker(client, name)
     wait_until(lambda: not any(key in s["variables"] for s in strategy.ps_stats()), what="freed when the holder died")
@@ -373,9 +404,10 @@ def test_an_optimizer_kept_on_a_trainer_keeps_and_then_frees_everything(strategy
     coordinator.schedule(_keep_optimizer, args=(opt, v))
     coordinator.join()
     holder = [a for a, has in client.run(lambda dask_worker: hasattr(dask_worker, "_daskps_test_kept")).items() if has]
+    keys = [v._ref.key, opt.server_key]
     del v, opt
-    gc.collect()
-    time.sleep(0.3)
+    # the coordinator's releases have reached the servers: only the trainer's cache holds both now
+    assert wait_for_coordinator_release(client, keys) == {k: {"trainer": 1} for k in keys}
     np.testing.assert_allclose(client.submit(_train_kept, workers=holder, pure=False).result(), [4.0])
     client.run(_drop_kept, workers=holder)
     wait_until(lambda: [(s["num_variables"], s["num_optimizers"]) for s in strategy.ps_stats()] == before,
