@@ -122,9 +122,10 @@ EPOCHS, STEPS = 3, 120
 
 
 @TIMEOUT
-@pytest.mark.parametrize("moment", ["join", "save"])
+@pytest.mark.parametrize("moment", ["scheduling", "join", "after_join", "save"])
 def test_readme_loop_survives_a_ps_sigkill(fresh_cluster, tmp_path, moment):
-    """The README's loop (schedule, join, manager.save() each epoch), ps-0 SIGKILLed in epoch 1 at ``moment``.
+    """The README's loop (schedule, join, manager.save() each epoch), ps-0 SIGKILLed in epoch 1 at ``moment``:
+    between two schedule calls with functions pending, during join(), between join() and save(), or during save().
 
     README: join() does not raise when a ps dies; the lost server's variables go back to the latest checkpoint
     plus what ran since; the other server keeps every update; a save that reaches the lost server before the
@@ -145,8 +146,10 @@ def test_readme_loop_survives_a_ps_sigkill(fresh_cluster, tmp_path, moment):
                 cut = int(rng.integers(STEPS // 4, 3 * STEPS // 4))
                 for k in ks[:cut]:
                     remotes.append(coordinator.schedule(t.step, args=(k,)))
-                time.sleep(float(rng.uniform(0.0, 0.2)))
+                wait_done(coordinator, epoch * STEPS + int(rng.integers(1, cut // 2)))
                 kill_worker(client, "ps-0")
+                # pending now, so pending at the kill: it landed while functions of the epoch were in flight
+                box["pending at the kill"] = sum(r.status == "pending" for r in remotes)
                 for k in ks[cut:]:
                     remotes.append(coordinator.schedule(t.step, args=(k,)))
             else:
@@ -164,6 +167,7 @@ def test_readme_loop_survives_a_ps_sigkill(fresh_cluster, tmp_path, moment):
                 wait_for_recovery(coordinator)
                 coordinator.join()
             if epoch == kill_epoch and moment == "after_join":
+                box["pending at the kill"] = coordinator.summary()["in_flight"]  # join() returned: none
                 kill_worker(client, "ps-0")
             if epoch == kill_epoch and moment == "save":
                 threading.Timer(float(rng.uniform(0.0, 0.3)), kill_worker, args=(client, "ps-0")).start()
@@ -193,6 +197,19 @@ def test_readme_loop_survives_a_ps_sigkill(fresh_cluster, tmp_path, moment):
     assert report.checkpoint in text, text
     assert set(report.rolled_back) == {"sa", "a"} | ({"big"} if moment == "save" else set()), report
     assert "'sb'" not in text and "'b'" not in text, text
+
+    if moment == "scheduling":
+        assert box["pending at the kill"] > 0, box
+        # functions scheduled after the kill cannot have finished before it: none of their updates is lost
+        scheduled_after = np.arange(kill_epoch * STEPS + cut, (kill_epoch + 1) * STEPS)
+        assert (t.sa.numpy()[scheduled_after] >= 1).all(), scheduled_after[t.sa.numpy()[scheduled_after] < 1]
+    if moment == "after_join":
+        assert box["pending at the kill"] == 0, box
+        # every function of the epoch had finished before the kill: all their updates to ps-0 are lost, and
+        # none ran again
+        epoch_rows = slice(kill_epoch * STEPS, (kill_epoch + 1) * STEPS)
+        assert (t.sa.numpy()[epoch_rows] == 0).all() and (t.sb.numpy()[epoch_rows] == 1).all()
+        assert report.functions_since == STEPS, report
 
     # every RemoteValue, from before the loss too, fetches its own value
     assert [r.fetch() for r in remotes] == list(range(n))
@@ -697,3 +714,15 @@ def test_a_function_that_failed_part_way_runs_again_in_full(fresh_cluster, tmp_p
 
 # ------------------------------------------------------------------------------------ 7. the demo
 
+
+def test_demo_kill_ps_flag_reaches_the_demo(monkeypatch):
+    """README: `daskps demo --kill-ps 2` SIGKILLs ps-0 part-way through epoch 2.  That the demo then recovers and
+    trains on is tested with a real kill in test_demo.py::test_demo_survives_a_killed_parameter_server (run_demo
+    with kill_ps_at_epoch=2); here, that the command's flag is what sets it."""
+    from daskps import cli
+
+    got = []
+    monkeypatch.setattr(cli, "run_demo", lambda config: got.append(config) or {"epochs_trained": 0})
+    assert cli.main(["demo", "--kill-ps", "2"]) == 0
+    assert cli.main(["demo"]) == 0
+    assert [c.kill_ps_at_epoch for c in got] == [2, None]
