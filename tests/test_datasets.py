@@ -26,8 +26,12 @@ def _where_and_next(iterator):
 
 def test_dataset_fn_without_arguments(coordinator):
     it = iter(coordinator.create_per_worker_dataset(lambda: range(100)))
-    values = coordinator.fetch([coordinator.schedule(_next, args=(it,)) for _ in range(10)])
-    assert all(0 <= v < 100 for v in values)
+    values = coordinator.fetch([coordinator.schedule(_where_and_next, args=(it,)) for _ in range(10)])
+    per_worker = {}
+    for name, v in values:
+        per_worker.setdefault(name, []).append(v)
+    # each trainer called dataset_fn() and reads its own range from the start, in order
+    assert per_worker and all(vs == list(range(len(vs))) for vs in per_worker.values()), per_worker
 
 
 def test_dataset_fn_gets_its_input_context(coordinator):

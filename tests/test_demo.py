@@ -125,7 +125,8 @@ def test_demo_writes_tensorboard_scalars_with_logdir(tmp_path):
     assert len(train) >= 2 and train[-1][0] == 40 and [s for s, _ in train] == sorted({s for s, _ in train})
     # a log-loss on balanced-ish labels (0 when a write lands just after the epoch reset the metric)
     assert all(0 <= v < 1 for _, v in train) and any(v > 0 for _, v in train)
-    assert all(v > 0 for _, v in scalars["daskps/examples_per_second"])
+    rates = scalars["daskps/examples_per_second"]
+    assert len(rates) == len(train) and all(v > 0 for _, v in rates), rates  # one with each train-loss point
 
 
 def test_demo_logdir_without_tensorboardx_is_refused_before_any_cluster_starts():

@@ -250,7 +250,8 @@ def test_strategy_close_during_recovery_leaves_no_server(fresh_cluster, tmp_path
         assert time.monotonic() < deadline
         time.sleep(0.005)
     # wait until the new server is being started, then close
-    while strategy._group.generation == 0 and time.monotonic() < deadline:
+    while strategy._group.generation == 0:
+        assert time.monotonic() < deadline, "the recovery never started a new server"
         time.sleep(0.001)
     strategy.close()
     with warnings.catch_warnings(record=True):
@@ -263,6 +264,7 @@ def test_strategy_close_during_recovery_leaves_no_server(fresh_cluster, tmp_path
         while any(t.name == "daskps-recover" for t in __import__("threading").enumerate()):
             assert time.monotonic() < deadline
             time.sleep(0.05)
+    assert coordinator.recoveries == [], "the recovery finished before close(): it did not land in the middle"
     deadline = time.monotonic() + 20
     while (client.run_on_scheduler(_server_tasks) or any(client.run(_actors).values())) and time.monotonic() < deadline:
         time.sleep(0.2)

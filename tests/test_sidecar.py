@@ -92,7 +92,7 @@ def test_evaluates_a_from_dask_dataset_on_the_evaluator_reading_every_row_once(w
     name = sidecar._published
     held = with_evaluator.who_has([f for fs in with_evaluator.get_dataset(name) for f in fs])
     evaluator = next(a for a, w in with_evaluator.scheduler_info()["workers"].items() if w["name"] == "evaluator-0")
-    assert all(list(where) == [evaluator] for where in held.values()), (held, evaluator)
+    assert held and all(list(where) == [evaluator] for where in held.values()), (held, evaluator)
     # Dropping the evaluator releases the partitions it persisted and published.
     import gc
     import time
