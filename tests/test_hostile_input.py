@@ -630,3 +630,47 @@ def test_an_initial_value_that_is_not_numbers_is_named(state):
             dps.Variable(lambda shape, dtype: np.array(["x"] * shape[0]), shape=(2,), dtype="float32", name="strings")
         with pytest.raises(ValueError, match="initial_value must be an array-like of one shape"):
             dps.Variable([[1.0, 2.0], [3.0]], name="ragged")
+
+
+# -- numbers and callables given to functions and constructors ---------------------------------
+@pytest.fixture(scope="module")
+def keyed(state):
+    """An EmbeddingTable of the module's strategy (a lookup makes its rows): alive as long as the module."""
+    with state.strategy.scope():
+        table = dps.EmbeddingTable(2, name="keyed")
+    table.lookup([1, 2])
+    yield table
+
+
+BAD_MAX_NORMS = {
+    "a string": ("1.0", TypeError, "max_norm must be a positive number or None, got str '1.0'"),
+    "a bool": (True, TypeError, "max_norm must be a positive number or None, got bool True"),
+    "a list": ([1.0], TypeError, r"max_norm must be a positive number or None, got list \[1.0\]"),
+    "zero": (0.0, ValueError, "max_norm must be a positive number or None, got 0.0"),
+    "negative": (-1, ValueError, "max_norm must be a positive number or None, got -1"),
+    "NaN": (float("nan"), ValueError, "max_norm must be a positive number or None, got nan"),
+}
+# name -> (params, ids); the table gets keys it has never seen (a lookup would make their rows)
+LOOKUP_PARAMS = {"sharded": lambda s, k, n: (s.table, [0, 5, 3]), "variable": lambda s, k, n: (s.w, [0, 5, 3]),
+                 "embedding table": lambda s, k, n: (k, [100 + n, 200 + n]),
+                 "list of shards": lambda s, k, n: (s.table.variables, [0, 5, 3])}
+
+
+@pytest.mark.parametrize("params", LOOKUP_PARAMS)
+@pytest.mark.parametrize("case", BAD_MAX_NORMS)
+def test_a_bad_max_norm_is_refused_before_any_row_is_read(state, keyed, params, case):
+    max_norm, error, match = BAD_MAX_NORMS[case]
+    table, ids = LOOKUP_PARAMS[params](state, keyed, list(BAD_MAX_NORMS).index(case))
+    rows = keyed.size()
+    with nothing_changes(state), pytest.raises(error, match=match) as info:
+        dps.embedding_lookup(table, ids, max_norm=max_norm)
+    assert type(info.value) is error
+    assert keyed.size() == rows  # no key made: the lookup never reached the table
+
+
+@pytest.mark.parametrize("max_norm", [np.float32(2.5), 2, float("inf")])
+def test_max_norm_accepts_any_positive_number(state, max_norm):
+    rows = np.asarray(state.table)[[0, 5]].astype(np.float64)
+    norms = np.linalg.norm(rows, axis=1, keepdims=True)
+    want = rows * np.minimum(1.0, float(max_norm) / norms)  # TensorFlow's clip_by_norm, row by row
+    np.testing.assert_allclose(dps.embedding_lookup(state.table, [0, 5], max_norm=max_norm), want, rtol=1e-6)

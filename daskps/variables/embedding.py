@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,10 @@ def embedding_lookup(params: Any, ids: Any, max_norm: float | None = None, name:
         Row numbers in ``[0, rows)``; ``IndexError`` otherwise. For an
         :class:`~daskps.EmbeddingTable`, any int64 keys (rows are made on first sight).
     max_norm : float, optional
-        Rows whose L2 norm exceeds it are scaled down to it.
+        Rows whose L2 norm exceeds it are scaled down to it: a positive
+        number (``inf`` clips nothing); anything else is refused before any
+        row is read (``TypeError`` for a non-number, ``ValueError`` for zero,
+        a negative number or NaN).
 
     Only the distinct rows requested are read, from every shard at once, one
     call per parameter server; the table never moves.
@@ -39,6 +43,7 @@ def embedding_lookup(params: Any, ids: Any, max_norm: float | None = None, name:
     >>> dps.embedding_lookup(table, [[2, 0], [2, 2]]).shape
     (2, 2, 2)
     """
+    _check_max_norm(max_norm)
     if isinstance(params, (list, tuple)):
         params = params[0] if len(params) == 1 else ShardedVariable(list(params), name="embedding")
     if isinstance(params, EmbeddingTable):
@@ -53,3 +58,13 @@ def embedding_lookup(params: Any, ids: Any, max_norm: float | None = None, name:
     if max_norm is not None:
         found = clip_rows(found, np.ndim(ids), max_norm)
     return found
+
+
+def _check_max_norm(max_norm: Any) -> None:
+    """Refuse a ``max_norm`` TensorFlow's ``clip_by_norm`` could not use: it must be a number > 0."""
+    if max_norm is None:
+        return
+    if isinstance(max_norm, (bool, np.bool_)) or not isinstance(max_norm, numbers.Real):
+        raise TypeError(f"max_norm must be a positive number or None, got {type(max_norm).__name__} {max_norm!r}")
+    if not float(max_norm) > 0:  # NaN fails this too
+        raise ValueError(f"max_norm must be a positive number or None, got {max_norm!r}")
