@@ -674,3 +674,62 @@ def test_max_norm_accepts_any_positive_number(state, max_norm):
     norms = np.linalg.norm(rows, axis=1, keepdims=True)
     want = rows * np.minimum(1.0, float(max_norm) / norms)  # TensorFlow's clip_by_norm, row by row
     np.testing.assert_allclose(dps.embedding_lookup(state.table, [0, 5], max_norm=max_norm), want, rtol=1e-6)
+
+
+# PerWorkerValues: TensorFlow has one value per worker, and fails where a worker has none.
+BAD_PER_WORKER = {
+    "empty": ([], ValueError, "values must hold one value per training worker, got none"),
+    "a string": ("ab", TypeError, "values must be a list or tuple of one value per training worker, got str"),
+    "a dict": ({0: "a"}, TypeError, "values must be a list or tuple .* got dict"),
+    "a set": ({"a", "b"}, TypeError, "values must be a list or tuple .* got set"),
+    "a number": (3, TypeError, "values must be a list or tuple .* got int"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_PER_WORKER)
+def test_per_worker_values_need_a_sequence_of_values(case):
+    values, error, match = BAD_PER_WORKER[case]
+    with pytest.raises(error, match=match) as info:
+        dps.PerWorkerValues(values)
+    assert type(info.value) is error
+
+
+def test_per_worker_values_do_not_wrap_round():
+    values = dps.PerWorkerValues(iter(["for 0", "for 1"]))  # any iterable, kept in order
+    assert values.values == ("for 0", "for 1") and values.on_worker(1) == "for 1"
+    for index in (2, 3):
+        with pytest.raises(ValueError, match=f"hold 2 value\\(s\\), one per training worker, but this function "
+                                             f"runs on the trainer with index {index}"):
+            values.on_worker(index)
+
+
+def _bump_on_worker_1(value, var):
+    from distributed import get_worker
+
+    time.sleep(0.05)  # long enough that functions spread over both trainers
+    if get_worker().name == "worker-1":
+        var.assign_add(np.ones(var.shape, var.dtype))
+    return value
+
+
+def test_a_trainer_without_its_value_refuses_to_run_the_function(client):
+    """One value for two trainers: what worker-0 runs gets its value; on worker-1 the function never starts."""
+    with dps.ParameterServerStrategy(client) as strategy:
+        with strategy.scope():
+            var = dps.Variable(np.zeros(2, np.float32), name="untouched")
+        coordinator = dps.ClusterCoordinator(strategy)
+        values = dps.PerWorkerValues(["only worker-0's"])
+        results = [coordinator.schedule(_bump_on_worker_1, args=(values, var)) for _ in range(16)]
+        with pytest.raises(ValueError, match="hold 1 value\\(s\\).* the trainer with index 1") as info:
+            coordinator.join()
+        assert type(info.value) is ValueError
+        done, refused = [], 0
+        for r in results:
+            try:
+                done.append(r.fetch())
+            except ValueError:
+                refused += 1
+            except dps.errors.CancelledError:
+                pass  # queued behind the refusal
+        assert refused >= 1 and set(done) <= {"only worker-0's"}
+        np.testing.assert_array_equal(var.numpy(), [0.0, 0.0])  # the function never started on worker-1

@@ -24,7 +24,8 @@ import threading
 import uuid
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from distributed.protocol.pickle import dumps
@@ -51,13 +52,26 @@ class PerWorkerValues:
 
     Parameters
     ----------
-    values : sequence
+    values : list or tuple
         ``values[i]`` goes to the worker with index ``i`` (the order of
-        ``strategy.extended.worker_devices``).
+        ``strategy.extended.worker_devices``). As in TensorFlow there must be
+        one value for every training worker: an empty sequence is refused
+        here, and a function run on a trainer whose index has no value fails
+        (``ValueError`` from ``join``) before it starts.
+
+    Examples
+    --------
+    >>> PerWorkerValues(["shard-a", "shard-b"]).on_worker(1)
+    'shard-b'
     """
 
     def __init__(self, values: Any):
+        if isinstance(values, (str, bytes, bytearray, Mapping, AbstractSet)) or not isinstance(values, Iterable):
+            raise TypeError(f"values must be a list or tuple of one value per training worker, "
+                            f"got {type(values).__name__}")
         self._values = tuple(values)
+        if not self._values:
+            raise ValueError("values must hold one value per training worker, got none")
 
     @property
     def values(self) -> tuple[Any, ...]:
@@ -66,7 +80,12 @@ class PerWorkerValues:
 
     def on_worker(self, index: int) -> Any:
         """The value of the worker with index ``index``."""
-        return self._values[index % len(self._values)]
+        if not 0 <= index < len(self._values):
+            raise ValueError(
+                f"values of PerWorkerValues hold {len(self._values)} value(s), one per training worker, but "
+                f"this function runs on the trainer with index {index}: give one value per training worker"
+            )
+        return self._values[index]
 
     def __repr__(self) -> str:
         return f"PerWorkerValues({len(self._values)} values)"
