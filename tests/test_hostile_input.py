@@ -733,3 +733,94 @@ def test_a_trainer_without_its_value_refuses_to_run_the_function(client):
                 pass  # queued behind the refusal
         assert refused >= 1 and set(done) <= {"only worker-0's"}
         np.testing.assert_array_equal(var.numpy(), [0.0, 0.0])  # the function never started on worker-1
+
+
+def _manager(state, tmp_path, **kwargs):
+    return dps.CheckpointManager(dps.Checkpoint(w=state.w), kwargs.pop("directory", str(tmp_path / "m")), **kwargs)
+
+
+# name -> (keyword arguments, error, message)
+BAD_MANAGER_ARGS = {
+    "max_to_keep, a string": ({"max_to_keep": "3"}, TypeError, "max_to_keep must be a positive int or None, got str"),
+    "max_to_keep, a float": ({"max_to_keep": 2.0}, TypeError, "max_to_keep must be a positive int or None, got float"),
+    "max_to_keep, a bool": ({"max_to_keep": True}, TypeError, "max_to_keep must be a positive int or None, got bool"),
+    "max_to_keep, zero": ({"max_to_keep": 0}, ValueError, "max_to_keep must be a positive int or None, got 0"),
+    "max_to_keep, negative": ({"max_to_keep": -2}, ValueError, "max_to_keep must be a positive int or None, got -2"),
+    "directory, a number": ({"directory": 3}, TypeError, "directory must be a str .* got int"),
+    "checkpoint_name, a number": ({"checkpoint_name": 3}, TypeError, "checkpoint_name must be a str, got int"),
+    "checkpoint_name, a path": ({"checkpoint_name": "../up"}, ValueError, "checkpoint_name must be a file name"),
+    "keep_checkpoint_every_n_hours, a string": ({"keep_checkpoint_every_n_hours": "1"}, TypeError,
+                                                "keep_checkpoint_every_n_hours must be a positive number or None, "
+                                                "got str"),
+    "keep_checkpoint_every_n_hours, NaN": ({"keep_checkpoint_every_n_hours": float("nan")}, ValueError,
+                                           "keep_checkpoint_every_n_hours must be a positive number or None, got nan"),
+    "checkpoint_interval, a string": ({"checkpoint_interval": "5"}, TypeError,
+                                      "checkpoint_interval must be a positive int or None, got str"),
+    "checkpoint_interval, a bool": ({"checkpoint_interval": True}, TypeError,
+                                    "checkpoint_interval must be a positive int or None, got bool"),
+    "init_fn, not callable": ({"init_fn": 5}, TypeError, "init_fn must be callable or None, got int"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_MANAGER_ARGS)
+def test_checkpoint_manager_refuses_bad_arguments_and_writes_nothing(state, tmp_path, case):
+    kwargs, error, match = BAD_MANAGER_ARGS[case]
+    with nothing_changes(state), pytest.raises(error, match=match) as info:
+        _manager(state, tmp_path, **kwargs)
+    assert type(info.value) is error
+    assert list(tmp_path.iterdir()) == []  # no directory made, nothing written
+
+
+@pytest.mark.parametrize("max_to_keep", [None, 1, np.int64(2)])
+def test_checkpoint_manager_accepts_none_or_a_positive_int_and_a_path(state, tmp_path, max_to_keep):
+    manager = _manager(state, tmp_path, directory=tmp_path / "as-a-path", max_to_keep=max_to_keep)
+    for _ in range(3):
+        manager.save()
+    kept = 3 if max_to_keep is None else int(max_to_keep)
+    assert [p.rsplit("-", 1)[1] for p in manager.checkpoints] == ["1", "2", "3"][3 - kept:]
+
+
+def _never_called(path):
+    raise AssertionError("eval_fn ran")
+
+
+BAD_SIDECAR_ARGS = {
+    **{f"{arg}, {what}": ({arg: value}, error, f"{arg} must be a positive int or None, got {shown}")
+       for arg in ("until", "max_evaluations")
+       for what, value, error, shown in [("a string", "3", TypeError, "str"), ("a float", 2.5, TypeError, "float"),
+                                         ("a bool", True, TypeError, "bool"), ("zero", 0, ValueError, "0"),
+                                         ("negative", -1, ValueError, "-1")]},
+    **{f"{arg}, {what}": ({arg: value, "until": 1}, error, f"{arg} must be a positive finite number of seconds.*, "
+                                                           f"got {shown}")
+       for arg in ("poll_interval", "timeout")
+       for what, value, error, shown in [("a string", "1", TypeError, "str"), ("zero", 0, ValueError, "0"),
+                                         ("negative", -0.5, ValueError, "-0.5"), ("NaN", np.nan, ValueError, "nan"),
+                                         ("infinite", np.inf, ValueError, "inf")]},
+    "checkpoint_dir, a number": ({"checkpoint_dir": 7, "until": 1}, TypeError, "checkpoint_dir must be a str"),
+    "checkpoint_name, a number": ({"checkpoint_name": 7, "until": 1}, TypeError,
+                                  "checkpoint_name must be a str, got int"),
+    "checkpoint_name, a path": ({"checkpoint_name": "a/b", "until": 1}, ValueError,
+                                "checkpoint_name must be the CheckpointManager's checkpoint_name"),
+    "log, not callable": ({"log": "print", "until": 1}, TypeError, "log must be callable or None, got str"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_SIDECAR_ARGS)
+def test_sidecar_evaluator_refuses_bad_arguments(client, tmp_path, case):
+    kwargs, error, match = BAD_SIDECAR_ARGS[case]
+    kwargs = {"checkpoint_dir": str(tmp_path), **kwargs}
+    published = client.list_datasets()
+    with pytest.raises(error, match=match) as info:
+        dps.SidecarEvaluator(_never_called, client=client, **kwargs)
+    assert type(info.value) is error
+    assert client.list_datasets() == published and list(tmp_path.iterdir()) == []
+
+
+def test_sidecar_evaluator_accepts_what_its_loop_can_use(tmp_path):
+    w = dps.Variable(np.ones(3, np.float32))
+    dps.CheckpointManager(dps.Checkpoint(w=w), tmp_path).save()
+    seen = []
+    results = dps.SidecarEvaluator(lambda path: {"n": len(seen.append(path) or seen)}, tmp_path,
+                                   until=np.int64(1), max_evaluations=1, poll_interval=np.float32(0.01),
+                                   timeout=30).run()
+    assert seen == [f"{tmp_path}/ckpt-1"] and results == [(seen[0], {"n": 1})]

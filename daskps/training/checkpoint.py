@@ -31,6 +31,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import numbers
+import os
 import re
 import threading
 import time
@@ -515,16 +517,27 @@ def committed_numbers(fs: Any, root: str, name: str = "ckpt", marker: str = MANI
     return sorted(int(m.group(1)) for p in found if (m := pattern.search(p)))
 
 
+def _positive_int_or_none(value: Any, arg: str) -> int | None:
+    """``value`` if it is None or an int >= 1: ``TypeError`` for another type, ``ValueError`` below 1."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{arg} must be a positive int or None, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{arg} must be a positive int or None, got {value!r}")
+    return int(value)
+
+
 class CheckpointManager:
     """Numbered checkpoints in ``directory``, keeping the newest ``max_to_keep``.
 
     Parameters
     ----------
     checkpoint : Checkpoint
-    directory : str
+    directory : str or path-like
         A local directory or any fsspec URL.
     max_to_keep : int or None
-        ``None`` keeps every checkpoint.
+        At least 1 (as in TensorFlow); ``None`` keeps every checkpoint.
     keep_checkpoint_every_n_hours : float or None
         A checkpoint leaving the newest ``max_to_keep`` is kept for good
         (marked ``PRESERVED``, no longer managed) when at least this many
@@ -548,29 +561,36 @@ class CheckpointManager:
                  init_fn: Callable[[], Any] | None = None):
         if not isinstance(checkpoint, Checkpoint):
             raise TypeError(f"checkpoint must be a daskps.Checkpoint, got {type(checkpoint).__name__}")
-        if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
-            raise ValueError(f"max_to_keep must be a positive int or None, got {max_to_keep!r}")
-        if not isinstance(checkpoint_name, str) or not re.fullmatch(r"[^/\\\x00]+", checkpoint_name) \
-                or checkpoint_name in (".", ".."):
+        if not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(f"directory must be a str (a path or an fsspec URL), got {type(directory).__name__}")
+        directory = os.fspath(directory)
+        max_to_keep = _positive_int_or_none(max_to_keep, "max_to_keep")  # TensorFlow refuses 0 and below too
+        if not isinstance(checkpoint_name, str):
+            raise TypeError(f"checkpoint_name must be a str, got {type(checkpoint_name).__name__}")
+        if not re.fullmatch(r"[^/\\\x00]+", checkpoint_name) or checkpoint_name in (".", ".."):
             raise ValueError(f"checkpoint_name must be a file name inside the directory (no '/', not '..'), "
                              f"got {checkpoint_name!r}")
         hours = keep_checkpoint_every_n_hours
-        if hours is not None and (isinstance(hours, bool) or not isinstance(hours, (int, float)) or not hours > 0):
-            raise ValueError(f"keep_checkpoint_every_n_hours must be a positive number or None, got {hours!r}")
+        if hours is not None:
+            if isinstance(hours, (bool, np.bool_)) or not isinstance(hours, numbers.Real):
+                raise TypeError(f"keep_checkpoint_every_n_hours must be a positive number or None, "
+                                f"got {type(hours).__name__}")
+            if not float(hours) > 0:  # NaN too
+                raise ValueError(f"keep_checkpoint_every_n_hours must be a positive number or None, got {hours!r}")
+        checkpoint_interval = _positive_int_or_none(checkpoint_interval, "checkpoint_interval")
         if checkpoint_interval is not None:
-            if isinstance(checkpoint_interval, bool) or not isinstance(checkpoint_interval, int) \
-                    or checkpoint_interval < 1:
-                raise ValueError(f"checkpoint_interval must be a positive int or None, got {checkpoint_interval!r}")
             if step_counter is None:
                 raise ValueError("checkpoint_interval needs step_counter (a scalar int variable, such as "
                                  "optimizer.iterations) to count steps by")
             _step_of(step_counter)  # refuses what is not a scalar int
+        if init_fn is not None and not callable(init_fn):
+            raise TypeError(f"init_fn must be callable or None, got {type(init_fn).__name__}")
         self._checkpoint = checkpoint
         self._fs, self._root = fsspec.core.url_to_fs(directory)
         self._url = directory.rstrip("/")
         self._name = checkpoint_name
         self._max_to_keep = max_to_keep
-        self._keep_hours = hours
+        self._keep_hours: float | None = None if hours is None else float(hours)
         self._step_counter = step_counter
         self._interval = checkpoint_interval
         self._last_step: int | None = None

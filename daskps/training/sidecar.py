@@ -25,6 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import numbers
+import os
 import threading
 import time
 import uuid
@@ -33,6 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 import fsspec
+import numpy as np
 from distributed import get_client, get_worker
 
 from daskps.distribute.cluster import cluster_workers
@@ -65,11 +69,11 @@ class SidecarEvaluator:
     client : distributed.Client, optional
         Where to look for an ``evaluator`` worker; ``None`` evaluates here.
     until : int, optional
-        Stop after evaluating a checkpoint numbered ``until`` or higher.
+        Stop after evaluating a checkpoint numbered ``until`` (>= 1) or higher.
     max_evaluations : int, optional
-        Stop after this many evaluations.
+        Stop after this many evaluations (>= 1).
     poll_interval : float
-        Seconds between looks at the directory.
+        Seconds between looks at the directory (> 0).
     timeout : float, optional
         Give up (``TimeoutError``) after this many seconds without a new checkpoint.
     checkpoint_name : str
@@ -103,9 +107,8 @@ class SidecarEvaluator:
                 raise ValueError("data needs client: the Dask client of the cluster that reads the collection")
             if data.epochs is None:
                 raise ValueError("data must have a number of epochs (an evaluation is one pass), got epochs=None")
-        for arg, value in (("until", until), ("max_evaluations", max_evaluations)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{arg} must be a positive int or None, got {value!r}")
+        checkpoint_dir = _checked_args(checkpoint_dir, until, max_evaluations, poll_interval, timeout,
+                                       checkpoint_name, log)
         if until is None and max_evaluations is None and timeout is None:
             raise ValueError("give until, max_evaluations or timeout, or the evaluator never stops")
         self._eval_fn = eval_fn
@@ -208,6 +211,36 @@ class SidecarEvaluator:
     def stop(self) -> None:
         """Ask the background run to stop after the current evaluation."""
         self._stop.set()
+
+
+def _checked_args(checkpoint_dir: Any, until: Any, max_evaluations: Any, poll_interval: Any, timeout: Any,
+                  checkpoint_name: Any, log: Any) -> str:
+    """Refuse what the evaluator's loop could not use (naming the argument); return the directory as a str."""
+    if not isinstance(checkpoint_dir, (str, os.PathLike)):
+        raise TypeError(f"checkpoint_dir must be a str (a path or an fsspec URL), got {type(checkpoint_dir).__name__}")
+    for arg, count in (("until", until), ("max_evaluations", max_evaluations)):
+        if count is None:
+            continue
+        if isinstance(count, (bool, np.bool_)) or not isinstance(count, numbers.Integral):
+            raise TypeError(f"{arg} must be a positive int or None, got {type(count).__name__}")
+        if count < 1:
+            raise ValueError(f"{arg} must be a positive int or None, got {count!r}")
+    for arg, seconds, optional in (("poll_interval", poll_interval, False), ("timeout", timeout, True)):
+        if seconds is None and optional:
+            continue
+        what = "a positive finite number of seconds" + (" or None" if optional else "")
+        if isinstance(seconds, (bool, np.bool_)) or not isinstance(seconds, numbers.Real):
+            raise TypeError(f"{arg} must be {what}, got {type(seconds).__name__}")
+        if not 0 < float(seconds) < math.inf:  # 0 would poll without pause; NaN and inf never wait as meant
+            raise ValueError(f"{arg} must be {what}, got {seconds!r}")
+    if not isinstance(checkpoint_name, str):
+        raise TypeError(f"checkpoint_name must be a str, got {type(checkpoint_name).__name__}")
+    if not checkpoint_name or "/" in checkpoint_name:
+        raise ValueError(f"checkpoint_name must be the CheckpointManager's checkpoint_name (a non-empty str "
+                         f"without '/'), got {checkpoint_name!r}")
+    if log is not None and not callable(log):
+        raise TypeError(f"log must be callable or None, got {type(log).__name__}")
+    return os.fspath(checkpoint_dir)
 
 
 def _evaluate_on_worker(eval_fn: Callable[..., dict], path: str, spec: DaskInput, name: str) -> dict:
