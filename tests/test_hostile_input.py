@@ -824,3 +824,52 @@ def test_sidecar_evaluator_accepts_what_its_loop_can_use(tmp_path):
                                    until=np.int64(1), max_evaluations=1, poll_interval=np.float32(0.01),
                                    timeout=30).run()
     assert seen == [f"{tmp_path}/ckpt-1"] and results == [(seen[0], {"n": 1})]
+
+
+# Shapes, slicing and row counts: ints only (TensorFlow's TensorShape takes no 2.5), none negative.
+BAD_SHAPE_ARGS = {
+    "create_partitioned_variables, a fractional dimension": (
+        lambda: dps.create_partitioned_variables((2.5, 2), [1, 1], np.zeros((2, 2))),
+        ValueError, r"shape must be a tuple of ints, got \(2.5, 2\)"),
+    "create_partitioned_variables, a negative dimension": (
+        lambda: dps.create_partitioned_variables((-2, 2), [1, 1], lambda shape, dtype: np.zeros(shape, dtype)),
+        ValueError, r"shape must not have negative dimensions, got \(-2, 2\)"),
+    "create_partitioned_variables, fractional slicing": (
+        lambda: dps.create_partitioned_variables((6, 2), [2.5, 1], np.zeros((6, 2))),
+        ValueError, r"slicing must be a tuple of ints, got \[2.5, 1\]"),
+    "create_partitioned_variables, a string in slicing": (
+        lambda: dps.create_partitioned_variables((6, 2), ["2", 1], np.zeros((6, 2))),
+        ValueError, r"slicing must be a tuple of ints, got \['2', 1\]"),
+    "a partitioner, a fractional dimension": (
+        lambda: dps.partitioners.FixedShardsPartitioner(2)((6.5, 2), np.float32),
+        ValueError, r"shape must be a tuple of ints, got \(6.5, 2\)"),
+    "div_offsets, no shards": (lambda: dps.partitioners.div_offsets(5, 0), ValueError,
+                               "num_shards must be a positive int, got 0"),
+    "div_offsets, negative rows": (lambda: dps.partitioners.div_offsets(-1, 2), ValueError,
+                                   "rows must be an int >= 0, got -1"),
+    "div_offsets, fractional rows": (lambda: dps.partitioners.div_offsets(2.5, 2), ValueError,
+                                     "rows must be an int >= 0, got 2.5"),
+    "InputContext, no pipelines": (lambda: dps.InputContext(num_input_pipelines=0), ValueError,
+                                   "num_input_pipelines must be an int >= 1, got 0"),
+    "InputContext, a negative id": (lambda: dps.InputContext(input_pipeline_id=-1), ValueError,
+                                    "input_pipeline_id must be an int >= 0, got -1"),
+    "InputContext, no replicas": (lambda: dps.InputContext(num_replicas_in_sync=0), ValueError,
+                                  "num_replicas_in_sync must be an int >= 1, got 0"),
+    "InputContext, a float": (lambda: dps.InputContext(num_input_pipelines=2.0), TypeError,
+                              "num_input_pipelines must be an int >= 1, got float"),
+    "get_per_replica_batch_size, a string": (lambda: dps.InputContext().get_per_replica_batch_size("64"), TypeError,
+                                             "global_batch_size must be an int >= 0, got str"),
+    "ValueContext, an id past the replicas": (lambda: dps.ValueContext(2, 2), ValueError,
+                                              r"replica_id_in_sync_group must be in \[0, num_replicas_in_sync=2\), "
+                                              "got 2"),
+    "ValueContext, no replicas": (lambda: dps.ValueContext(0, 0), ValueError,
+                                  "num_replicas_in_sync must be an int >= 1, got 0"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_SHAPE_ARGS)
+def test_bad_shapes_and_counts_are_refused_in_a_scope_and_nothing_is_made(state, case):
+    call, error, match = BAD_SHAPE_ARGS[case]
+    with nothing_changes(state), state.strategy.scope(), pytest.raises(error, match=match) as info:
+        call()
+    assert type(info.value) is error

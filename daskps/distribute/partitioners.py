@@ -26,6 +26,7 @@ so every shape and dtype gets the same answer. String dtypes count
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,17 +53,19 @@ def _positive(value: Any, arg: str, allow_none: bool = False) -> None:
         raise ValueError(f"{arg} must be a positive int, got {value!r}")
 
 
-def as_shape(shape: Any) -> tuple[int, ...]:
+def as_shape(shape: Any, arg: str = "shape") -> tuple[int, ...]:
+    """``shape`` as a tuple of ints >= 0; as TensorFlow's ``TensorShape``, 2.5 or "3" is no dimension."""
     try:
         dims = tuple(shape)
     except TypeError:
-        raise ValueError(f"shape must be a tuple of ints, got {shape!r}") from None
+        raise ValueError(f"{arg} must be a tuple of ints, got {shape!r}") from None
     if any(d is None for d in dims):
-        raise ValueError(f"shape must be fully defined, got {shape!r}")
-    try:
-        return tuple(int(d) for d in dims)
-    except (TypeError, ValueError):
-        raise ValueError(f"shape must be a tuple of ints, got {shape!r}") from None
+        raise ValueError(f"{arg} must be fully defined, got {shape!r}")
+    if any(isinstance(d, (bool, np.bool_)) or not isinstance(d, numbers.Integral) for d in dims):
+        raise ValueError(f"{arg} must be a tuple of ints, got {shape!r}")
+    if any(d < 0 for d in dims):
+        raise ValueError(f"{arg} must not have negative dimensions, got {shape!r}")
+    return tuple(int(d) for d in dims)
 
 
 def _axis(axis: Any, rank: int, shape: tuple) -> int:
@@ -228,7 +231,10 @@ def div_offsets(rows: int, num_shards: int) -> list[int]:
     >>> div_offsets(13, 5)
     [0, 3, 6, 9, 11, 13]
     """
-    base, extra = divmod(rows, num_shards)
+    if isinstance(rows, (bool, np.bool_)) or not isinstance(rows, numbers.Integral) or rows < 0:
+        raise ValueError(f"rows must be an int >= 0, got {rows!r}")
+    _positive(num_shards, "num_shards")
+    base, extra = divmod(int(rows), int(num_shards))
     offsets = [0]
     for i in range(num_shards):
         offsets.append(offsets[-1] + base + (1 if i < extra else 0))

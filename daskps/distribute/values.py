@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import numbers
 from typing import Any
 
 __all__ = ["InputContext", "InputOptions", "ReduceOp", "RunOptions", "ValueContext"]
+
+
+def _check_count(value: Any, arg: str, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{arg} must be an int >= {low}, got {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"{arg} must be an int >= {low}, got {value!r}")
 
 
 class ReduceOp(enum.Enum):
@@ -65,6 +73,9 @@ class InputContext:
         input_pipeline_id: int = 0,
         num_replicas_in_sync: int = 1,
     ):
+        _check_count(num_input_pipelines, "num_input_pipelines", 1)
+        _check_count(input_pipeline_id, "input_pipeline_id", 0)  # a trainer that joined may be past the count
+        _check_count(num_replicas_in_sync, "num_replicas_in_sync", 1)
         self._num_input_pipelines = num_input_pipelines
         self._input_pipeline_id = input_pipeline_id
         self._num_replicas_in_sync = num_replicas_in_sync
@@ -83,6 +94,7 @@ class InputContext:
 
     def get_per_replica_batch_size(self, global_batch_size: int) -> int:
         """The batch size each replica should use for ``global_batch_size``."""
+        _check_count(global_batch_size, "global_batch_size", 0)
         if global_batch_size % self._num_replicas_in_sync:
             raise ValueError(
                 f"global_batch_size ({global_batch_size}) must be divisible by "
@@ -108,6 +120,11 @@ class ValueContext:
     __slots__ = ("_replica_id_in_sync_group", "_num_replicas_in_sync")
 
     def __init__(self, replica_id_in_sync_group: int = 0, num_replicas_in_sync: int = 1):
+        _check_count(num_replicas_in_sync, "num_replicas_in_sync", 1)
+        _check_count(replica_id_in_sync_group, "replica_id_in_sync_group", 0)
+        if replica_id_in_sync_group >= num_replicas_in_sync:
+            raise ValueError(f"replica_id_in_sync_group must be in [0, num_replicas_in_sync={num_replicas_in_sync}), "
+                             f"got {replica_id_in_sync_group}")
         self._replica_id_in_sync_group = replica_id_in_sync_group
         self._num_replicas_in_sync = num_replicas_in_sync
 

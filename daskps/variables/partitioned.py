@@ -59,7 +59,7 @@ def create_partitioned_variables(
     (['PartitionedVariable/part_0', 'PartitionedVariable/part_1'], [(3, 2), (2, 2)])
     """
     shape = as_shape(shape)
-    slicing = as_shape(slicing)
+    slicing = as_shape(slicing, "slicing")
     if len(shape) != len(slicing):
         raise ValueError(f"shape and slicing must have the same length, got shape {shape} and slicing {slicing}")
     if not shape:
