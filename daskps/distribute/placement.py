@@ -123,7 +123,7 @@ def create_partitioned(strategy: Any, initial_value: Any, trainable: bool, name:
 
 
 def num_partitions(partitioner: Any, shape: tuple, dtype: np.dtype) -> int:
-    """The number of shards along axis 0 (at most ``shape[0]``)."""
+    """The number of shards along axis 0: at most ``shape[0]``, and one when axis 0 is empty."""
     result = partitioner(shape=shape, dtype=dtype)
     try:
         entries = list(result)
@@ -136,7 +136,7 @@ def num_partitions(partitioner: Any, shape: tuple, dtype: np.dtype) -> int:
             "variable_partitioner must return a list of ints [num_shards >= 1, 1, 1, ...] "
             f"(only axis 0 can be split); for shape {shape} it returned {result!r}"
         )
-    return min(counts[0], shape[0])
+    return max(1, min(counts[0], shape[0]))  # an empty axis 0 is one empty shard, not none
 
 
 def div_specs(shape: tuple, axis: int, num: int) -> list[tuple[tuple, tuple]]:
