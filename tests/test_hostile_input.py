@@ -873,3 +873,19 @@ def test_bad_shapes_and_counts_are_refused_in_a_scope_and_nothing_is_made(state,
     with nothing_changes(state), state.strategy.scope(), pytest.raises(error, match=match) as info:
         call()
     assert type(info.value) is error
+
+
+@pytest.mark.parametrize("trainable", ["no", 1, 0.0, [True]])
+@pytest.mark.parametrize("where", ["in the scope", "outside"])
+def test_trainable_must_be_true_or_false(state, trainable, where):
+    """``"no"`` was read as True; refused by name, no server hears of the variable."""
+    with nothing_changes(state), (state.strategy.scope() if where == "in the scope" else contextlib.nullcontext()), \
+            pytest.raises(TypeError, match=re.escape(f"trainable must be True or False, got {trainable!r}")):
+        dps.Variable(np.zeros(3, np.float32), trainable=trainable, name="flagged")
+
+
+@pytest.mark.parametrize("trainable, want", [(True, True), (np.bool_(False), False), (None, True)])
+def test_trainable_takes_bools_and_none_for_the_default(state, trainable, want):
+    with state.strategy.scope():
+        v = dps.Variable(np.zeros(3, np.float32), trainable=trainable, name="flag_ok")
+    assert v.trainable is want

@@ -403,8 +403,8 @@ def layouts(draw, rows):
     if kind == "mod":
         n = draw(st.integers(1, rows))
         return kind, [rows // n + (i < rows % n) for i in range(n)]
-    # Distinct cuts: no empty shard (test_an_empty_shard_round_trips_whichever_server_holds_it).
-    cuts = sorted(draw(st.sets(st.integers(1, rows - 1), max_size=4))) if rows > 1 else []
+    # Cuts anywhere, repeated ones too: a shard may be empty (its checkpoint piece has a file of its own).
+    cuts = sorted(draw(st.lists(st.integers(0, rows), max_size=4)))
     return kind, list(np.diff([0, *cuts, rows]))
 
 
@@ -459,10 +459,6 @@ def test_a_checkpoint_restores_into_any_number_of_shards(ps, ckpt_root, case, rn
     np.testing.assert_allclose(target.numpy(), w2, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "an empty shard's piece is named by its offset (ckpt_io.write_piece: 'e@1.npy'), the same file as the next "
-    "shard's, so one overwrites the other; and checkpoint._checked_manifest sorts pieces by offset only, taking "
-    "an empty piece listed after its neighbour for a gap: daskps refuses (or misreads) its own checkpoint"))
 def test_an_empty_shard_round_trips_whichever_server_holds_it(ps, ckpt_root):
     whole = np.array([[1.0], [2.0]], np.float32)
     for shift in (0, 1):  # the empty shard alone on one server, then on the other

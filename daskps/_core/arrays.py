@@ -40,6 +40,15 @@ def default_array(value: Any, arg: str = "value") -> np.ndarray:
     return arr
 
 
+def check_trainable_flag(trainable: Any) -> bool:
+    """``trainable`` as a bool: True, False (numpy's too), or None for the default, True (as TensorFlow)."""
+    if trainable is None:
+        return True
+    if not isinstance(trainable, (bool, np.bool_)):
+        raise TypeError(f"trainable must be True or False, got {trainable!r}")
+    return bool(trainable)
+
+
 def check_variable_args(initial_value: Any, name: Any, dtype: Any, shape: Any) -> tuple[str, np.dtype | None, tuple | None]:
     """Validate a variable's constructor arguments; return ``(name, dtype, shape)``."""
     if initial_value is None:

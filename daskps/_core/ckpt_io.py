@@ -75,7 +75,8 @@ class RestoreSpec(NamedTuple):
 
 def write_piece(fs: Any, root: str, tensor: str, offset: int, array: np.ndarray) -> Written:
     """Write ``array`` as rows from ``offset`` of ``tensor``; return its record."""
-    name = f"{quote(tensor, safe='')}@{offset}.npy"
+    # An empty shard starts where the next one does: its file gets a name of its own.
+    name = f"{quote(tensor, safe='')}@{offset}{'-empty' if array.ndim and not array.shape[0] else ''}.npy"
     arr = array if array.flags.c_contiguous else np.array(array, order="C")  # ascontiguousarray turns 0-d into 1-d
     with fs.open(f"{root}/{name}", "wb") as f:
         np.lib.format.write_array_header_2_0(f, np.lib.format.header_data_from_array_1_0(arr))

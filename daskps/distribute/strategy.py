@@ -22,7 +22,7 @@ from typing import Any
 
 from distributed import Client, default_client
 
-from daskps._core.arrays import check_variable_args
+from daskps._core.arrays import check_trainable_flag, check_variable_args
 from daskps.distribute import placement
 from daskps.distribute.cluster import DaskClusterResolver
 from daskps.distribute.context import (
@@ -325,6 +325,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
                 "initial_value must be given (an array-like or a callable) when the strategy has a "
                 "variable_partitioner"
             )
+        trainable = check_trainable_flag(trainable)
         name, dtype, shape = check_variable_args(initial_value, name, dtype, shape)
         colocate = self._extended.colocation
         count = self._variable_count

@@ -380,7 +380,7 @@ def _checked_manifest(raw: bytes, where: str) -> dict:
         if not isinstance(pieces, list) or not pieces:
             raise bad(f"tensor {name!r} has no pieces")
         covered = 0
-        for piece in sorted(pieces, key=lambda p: p.get("offset", -1) if isinstance(p, dict) else -1):
+        for piece in sorted(pieces, key=_piece_order):
             if not isinstance(piece, dict) or not all(k in piece for k in ("file", "offset", "rows", "shape")):
                 raise bad(f"tensor {name!r}: a piece lacks file, offset, rows or shape")
             try:
@@ -699,6 +699,16 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"<daskps.CheckpointManager {self._url!r} checkpoints={len(self._numbers())}>"
+
+
+def _piece_order(piece: Any) -> tuple[int, int]:
+    """Pieces by offset, an empty one before the piece that starts where it is (malformed ones first:
+    the check names them)."""
+    if not isinstance(piece, dict):
+        return (-1, 0)
+    offset, rows = piece.get("offset"), piece.get("rows")
+    whole = lambda n: isinstance(n, int) and not isinstance(n, bool)  # noqa: E731
+    return (offset if whole(offset) else -1, rows if whole(rows) else 0)
 
 
 def _tell_scheduler(client: Any, path: str, seconds: float, nbytes: int) -> None:

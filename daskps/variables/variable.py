@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from daskps._core import trees
-from daskps._core.arrays import check_variable_args, default_array
+from daskps._core.arrays import check_trainable_flag, check_variable_args, default_array
 from daskps._core.updates import BATCH_SCATTER, check_indices, check_update
 from daskps.distribute import context
 from daskps.ps import protocol, refs
@@ -84,6 +84,7 @@ class Variable(ArrayLike, metaclass=_VariableMeta):
 
     def __init__(self, initial_value: Any = None, trainable: bool = True, name: str | None = None,
                  dtype: Any = None, shape: Any = None):
+        trainable = check_trainable_flag(trainable)
         name, dtype, shape = check_variable_args(initial_value, name, dtype, shape)
         init_fn = initial_value if callable(initial_value) else None
         value = None if init_fn else initial_value
