@@ -707,8 +707,7 @@ def _piece_order(piece: Any) -> tuple[int, int]:
     if not isinstance(piece, dict):
         return (-1, 0)
     offset, rows = piece.get("offset"), piece.get("rows")
-    whole = lambda n: isinstance(n, int) and not isinstance(n, bool)  # noqa: E731
-    return (offset if whole(offset) else -1, rows if whole(rows) else 0)
+    return (offset if type(offset) is int else -1, rows if type(rows) is int else 0)
 
 
 def _tell_scheduler(client: Any, path: str, seconds: float, nbytes: int) -> None:
