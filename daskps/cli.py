@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
                            "where their partitions live (dps.data.from_dask)")
     demo.add_argument("--logdir", default=None,
                       help="write TensorBoard scalars here (train loss, examples/s, test log-loss and AUC); "
-                           'needs pip install "daskps[tensorboard]"')
+                           'needs pip install ".[tensorboard]" in the daskps checkout')
     args = parser.parse_args(argv)
     if args.model == "jax" and importlib.util.find_spec("jax") is None:
         demo.error(JAX_MISSING)

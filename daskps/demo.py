@@ -21,7 +21,7 @@ repeating; the default is a generator on each trainer.
 
 ``model="jax"`` trains the same model with gradients from a jitted
 ``jax.value_and_grad`` of its log-loss instead of the numpy ones written
-out by hand (JAX is optional: ``pip install "daskps[jax]"``).
+out by hand (JAX is optional: ``pip install ".[jax]"`` in the checkout).
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ NUM_DENSE = 8
 MODELS = ("numpy", "jax")
 INPUTS = ("generator", "dask")
 DASK_ROWS, DASK_CHUNK = 100_000, 10_000
-JAX_MISSING = 'the demo\'s JAX model needs JAX, which is not installed: pip install "daskps[jax]"'
+JAX_MISSING = ('the demo\'s JAX model needs JAX, which is not installed: pip install ".[jax]" in the '
+               "daskps checkout (or pip install jax)")
 
 
 @dataclass(frozen=True)

@@ -6,12 +6,18 @@ run the steps; the coordinator (this script) schedules them and checks the
 result against the known answer.
 
     python examples/train_softmax.py
+    python examples/train_softmax.py --scheduler tcp://scheduler:8786   # an existing cluster
 
-To use an existing cluster instead, start it as in the README and replace
-``LocalPSCluster`` with ``Client("tcp://scheduler:8786")``.
+An existing cluster is one started as in docs/howto/cluster.md (workers with
+``--resources "ps=1"`` and ``--resources "worker=1"``):
+``dps.ParameterServerStrategy`` takes its address, a ``distributed.Client``
+or a cluster object alike.
 """
 
 from __future__ import annotations
+
+import argparse
+import contextlib
 
 import numpy as np
 
@@ -50,9 +56,12 @@ def accuracy(w, b, x, y) -> float:
     return float((np.argmax(x @ w + b, axis=1) == y).mean())
 
 
-def main() -> None:
-    with dps.LocalPSCluster(num_ps=2, num_workers=2) as cluster:
-        strategy = dps.ParameterServerStrategy(cluster.get_client())
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scheduler", help="address of a running daskps cluster (default: start a local one)")
+    args = parser.parse_args(argv)
+    local = contextlib.nullcontext() if args.scheduler else dps.LocalPSCluster(num_ps=2, num_workers=2)
+    with local as cluster, dps.ParameterServerStrategy(args.scheduler or cluster) as strategy:
         coordinator = dps.ClusterCoordinator(strategy)
         print("cluster:", strategy.cluster_resolver.cluster_spec())
 

@@ -60,11 +60,11 @@ def test_demo_without_jax_names_the_extra(monkeypatch, capsys):
     from daskps.cli import main
 
     monkeypatch.setitem(sys.modules, "jax", None)  # as if not installed: importing it fails
-    with pytest.raises(ImportError, match=r'pip install "daskps\[jax\]"'):
+    with pytest.raises(ImportError, match=r'pip install "\.\[jax\]" in the daskps checkout'):
         run_demo(DemoConfig(model="jax"))  # before any cluster starts
     with pytest.raises(SystemExit) as exit_:
         main(["demo", "--model", "jax"])
-    assert exit_.value.code == 2 and 'pip install "daskps[jax]"' in capsys.readouterr().err
+    assert exit_.value.code == 2 and 'pip install ".[jax]" in the daskps checkout' in capsys.readouterr().err
 
 
 def test_demo_rejects_an_unknown_model():
@@ -134,6 +134,6 @@ def test_demo_logdir_without_tensorboardx_is_refused_before_any_cluster_starts()
             "main(['demo', '--logdir', 'tb'])")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2  # argparse's usage error, before anything starts
-    assert 'error: --logdir: writing TensorBoard event files needs tensorboardX: pip install "daskps[tensorboard]"' \
+    assert 'error: --logdir: writing TensorBoard event files needs tensorboardX: pip install ".[tensorboard]" in the daskps checkout' \
         in run.stderr
     assert "starting a LocalPSCluster" not in run.stdout

@@ -109,6 +109,18 @@ def _refuse_remote_values(structure: Any, arg: str) -> None:
     map_structure(check, structure)
 
 
+def _refuse_datasets(value: Any, where: str) -> None:
+    """A PerWorkerDataset among the arguments: say to pass ``iter(dataset)`` (it does not pickle)."""
+    if isinstance(value, PerWorkerDataset):
+        raise TypeError(
+            f"{where} is a PerWorkerDataset; pass iter(dataset) instead: a scheduled function takes "
+            "its iterator, and next(iterator) inside the function gives that trainer's next element"
+        )
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    for key, item in items:
+        _refuse_datasets(item, f"{where}[{key!r}]")
+
+
 # Functions are pickled once, at their first schedule (as Dask does with the functions it
 # submits): pickling a closure scans sys.modules for every module it uses, per call.
 _PICKLED_FUNCTIONS: weakref.WeakKeyDictionary[Any, tuple[bytes, list[Any]]] = weakref.WeakKeyDictionary()
@@ -292,7 +304,8 @@ class ClusterCoordinator:
         ------
         TypeError
             If ``fn`` is not callable, ``args``/``kwargs`` have the wrong type,
-            or something in them cannot be pickled (the message names it).
+            or something in them cannot be pickled (the message names it); a
+            ``PerWorkerDataset`` argument (pass ``iter(dataset)``).
         ValueError
             If ``args`` or ``kwargs`` contain a :class:`RemoteValue`, or the
             function uses a variable made outside ``strategy.scope()``.
@@ -305,6 +318,8 @@ class ClusterCoordinator:
         kwargs = _checked(kwargs, dict, "kwargs", "a dict", {})
         _refuse_remote_values(args, "args")
         _refuse_remote_values(kwargs, "kwargs")
+        _refuse_datasets(list(args), "args")
+        _refuse_datasets(kwargs, "kwargs")
         k = self._staleness if staleness is None else _checked_staleness(staleness)
         self._strategy.check_open("coordinator.schedule")
         self._raise_pending_error()

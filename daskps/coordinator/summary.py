@@ -5,7 +5,7 @@ the process that schedules (the "chief", in TensorFlow's words) and, each
 time another ``every_n_steps`` scheduled functions have completed, writes
 the chosen metrics' values and the throughput since the last write as
 TensorBoard scalars, at the step ``functions completed``. The event files
-are written by ``tensorboardX`` (``pip install "daskps[tensorboard]"``),
+are written by ``tensorboardX`` (``pip install ".[tensorboard]"`` in the checkout),
 which TensorBoard reads: ``tensorboard --logdir <logdir>``.
 """
 
@@ -24,7 +24,8 @@ from daskps.ps.plugin import METRICS_TOPIC
 
 __all__ = ["ScalarLogger", "create_file_writer"]
 
-TENSORBOARD_MISSING = ('writing TensorBoard event files needs tensorboardX: pip install "daskps[tensorboard]" '
+TENSORBOARD_MISSING = ('writing TensorBoard event files needs tensorboardX: pip install ".[tensorboard]" in the '
+                       "daskps checkout, or pip install tensorboardX "
                        "(or pass a writer of your own with an add_scalar(tag, value, step) method)")
 
 

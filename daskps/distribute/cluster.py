@@ -59,7 +59,7 @@ class LocalPSCluster(SpecCluster):
         the clients and the parameter-server traffic (which then goes
         through Dask's encrypted comms). ``True`` makes a temporary
         certificate authority for this cluster (needs ``cryptography``:
-        ``pip install "daskps[tls]"``); a client needs ``cluster.security``
+        ``pip install ".[tls]"`` in the checkout); a client needs ``cluster.security``
         to connect (``cluster.get_client()`` has it).
     **kwargs
         Passed to ``distributed.SpecCluster`` (``silence_logs``, ``name``, ...).
@@ -101,7 +101,8 @@ class LocalPSCluster(SpecCluster):
             try:
                 security = Security.temporary()
             except ImportError as exc:
-                raise ImportError('LocalPSCluster(security=True) needs cryptography: pip install "daskps[tls]"') from exc
+                raise ImportError('LocalPSCluster(security=True) needs cryptography: pip install ".[tls]" in '
+                                  "the daskps checkout (or pip install cryptography)") from exc
         elif security is False:
             security = None
         if security is not None and not isinstance(security, Security):

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from distributed import Client, default_client
+from distributed.deploy import Cluster
 
 from daskps._core.arrays import check_trainable_flag, check_variable_args
 from daskps.distribute import placement
@@ -96,9 +97,12 @@ class ParameterServerStrategy(SingleReplicaStrategy):
 
     Parameters
     ----------
-    cluster_resolver : Client, str, DaskClusterResolver or None
-        The cluster: a ``distributed.Client``, a scheduler address, a
-        resolver, or ``None`` for the current default client.
+    cluster_resolver : Client, Cluster, str, DaskClusterResolver or None
+        The cluster: a ``distributed.Client``, a Dask cluster object (a
+        :class:`LocalPSCluster`, a ``dask_jobqueue`` or ``dask_kubernetes``
+        cluster: its ``get_client()`` is used), a scheduler address such as
+        ``"tcp://scheduler:8786"`` (a client the strategy closes when it
+        closes), a resolver, or ``None`` for the current default client.
     variable_partitioner : callable, optional
         ``partitioner(shape, dtype) -> [num_shards, 1, ...]`` (see
         ``dps.partitioners``). ``None`` keeps every variable whole.
@@ -394,6 +398,8 @@ def _resolve(cluster_resolver: Any) -> tuple[DaskClusterResolver, bool]:
         return cluster_resolver, False
     if isinstance(cluster_resolver, Client):
         return DaskClusterResolver(cluster_resolver), False
+    if isinstance(cluster_resolver, Cluster):  # LocalPSCluster, SLURMCluster, KubeCluster, ...: its client
+        return DaskClusterResolver(cluster_resolver.get_client()), False
     if isinstance(cluster_resolver, str):
         return DaskClusterResolver(Client(cluster_resolver)), True
     if cluster_resolver is None:
@@ -402,9 +408,9 @@ def _resolve(cluster_resolver: Any) -> tuple[DaskClusterResolver, bool]:
         except ValueError:
             raise ValueError(
                 "cluster_resolver is None and there is no default Dask client: pass a "
-                "distributed.Client, a scheduler address or a DaskClusterResolver"
+                "distributed.Client, a Dask cluster, a scheduler address or a DaskClusterResolver"
             ) from None
     raise TypeError(
-        "cluster_resolver must be a distributed.Client, a scheduler address (str), a "
-        f"DaskClusterResolver or None, got {type(cluster_resolver).__name__}"
+        "cluster_resolver must be a distributed.Client, a Dask cluster (LocalPSCluster, ...), a "
+        f"scheduler address (str), a DaskClusterResolver or None, got {type(cluster_resolver).__name__}"
     )

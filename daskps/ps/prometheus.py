@@ -1,7 +1,7 @@
 """daskps on the scheduler's Prometheus endpoint: ``/metrics``, beside Dask's own metrics.
 
 Dask's scheduler serves ``/metrics`` (with ``prometheus_client`` installed:
-``pip install "daskps[prometheus]"``) from ``prometheus_client``'s default
+``pip install ".[prometheus]"`` in the checkout) from ``prometheus_client``'s default
 registry. The scheduler plugin registers one :class:`DaskPSCollector` there
 (once per process), so a scrape also gets daskps' series, named under Dask's
 namespace (``distributed.dashboard.prometheus.namespace``, ``dask``):

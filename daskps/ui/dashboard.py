@@ -6,7 +6,7 @@ scheduled functions it completed. Because its route starts with
 ``/individual-``, dask-labextension lists it as a JupyterLab panel.
 
 The page is a Bokeh app of the scheduler's dashboard (it needs ``bokeh``, as
-the dashboard does: ``pip install "daskps[dashboard]"``), so it must be known
+the dashboard does: in the base install), so it must be known
 before the scheduler starts:
 
 - ``LocalPSCluster`` adds it itself;

@@ -3,7 +3,7 @@
 :class:`ProgressBar` shows how much of something is done and the rate;
 ``dps.progress(coordinator, metrics)`` (:mod:`daskps.coordinator.progress`)
 uses it for training, and large checkpoint saves (:func:`watch`) for the
-bytes written. Where ``tqdm`` is installed (``pip install "daskps[progress]"``)
+bytes written. Where ``tqdm`` is installed (``pip install ".[progress]"`` in the checkout)
 the bar is drawn by tqdm (the bar ``tqdm.auto`` would pick), as Dask users know it: a text bar in a
 terminal, a widget in a notebook (where ``ipywidgets`` is installed).
 Otherwise, or with ``daskps.progress-bar: builtin``, daskps draws its own: in a
