@@ -1,0 +1,209 @@
+"""The documentation runs as written, and builds with warnings as errors.
+
+Every ```python block of ``docs/**/*.md`` runs here, page by page, with sybil:
+the blocks of one page run in order in one namespace whose ``__name__`` is
+``"__main__"``, as in the notebook or IPython session each page describes, so
+the page's first block starts the one cluster the page shares. Blocks fenced
+otherwise (``console``, ``text``, ``python-not-run``) are not run, except the
+console blocks listed in ``CONSOLE`` (a cluster of ``dask`` processes), which
+run as written with bash before the page's Python. README.md's blocks are run
+as scripts by ``tests/test_readme.py``.
+
+Also here, the frictions a newcomer met (issue 22): the existing-cluster path,
+a dataset passed to ``schedule`` where its iterator belongs, the demo's
+checkpoints left out of git.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from distributed import Client
+from sybil import Sybil
+from sybil.parsers.myst import PythonCodeBlockParser
+
+import daskps as dps
+
+from .conftest import dask_cli_cluster
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+PYTHON_FENCE = re.compile(r"^\s*```python\s*$", re.MULTILINE)
+CONSOLE_FENCE = re.compile(r"^```console\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+# Pages whose console block (by position among the page's console blocks) runs before their Python.
+CONSOLE = {"howto/cluster.md": 0, "user-guide/security.md": 0}
+# What each page's run waits for once its console block ran: a file the commands write, the workers.
+CONSOLE_READY = {"howto/cluster.md": ("cluster.json", 4), "user-guide/security.md": ("tls-cluster.json", 2)}
+# Pages that need an optional library: skipped, saying so, where it is missing.
+NEEDS = {"user-guide/models.md": ["jax", "torch", "keras"], "user-guide/datasets.md": ["dask.dataframe", "pyarrow"],
+         "user-guide/security.md": ["cryptography"], "user-guide/dashboard.md": ["tensorboardX"]}
+
+SYBIL = Sybil(parsers=[PythonCodeBlockParser()], path=str(ROOT))
+
+
+def _pages() -> list[str]:
+    skip = {"_build", "generated", "jupyter_execute"}
+    return sorted(str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md") if not skip & set(p.parts))
+
+
+PAGES_WITH_PYTHON = [p for p in _pages() if PYTHON_FENCE.search((DOCS / p).read_text())]
+
+
+def _run_console_block(page: str, cwd: Path) -> subprocess.Popen:
+    block = CONSOLE_FENCE.findall((DOCS / page).read_text())[CONSOLE[page]]
+    script = "\n".join(line[2:] for line in block.splitlines() if line.startswith("$ ")) + "\nwait\n"
+    bin_dir = str(Path(sys.executable).parent)  # `dask` of this environment, as the page's reader has it
+    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+    return subprocess.Popen(["bash", "-e", "-c", script], cwd=cwd, env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _wait_for_cluster(page: str, cwd: Path, security=None) -> None:
+    name, workers = CONSOLE_READY[page]
+    deadline = time.monotonic() + 90
+    while not (cwd / name).exists():
+        assert time.monotonic() < deadline, f"{page}: the console block wrote no {name}"
+        time.sleep(0.2)
+
+
+def _close_everything(namespace: dict) -> None:
+    """What a page left open, in the order a user would close it: strategies, clients, clusters."""
+    values = list(namespace.values())
+    for kind in (dps.ParameterServerStrategy, Client, dps.LocalPSCluster):
+        for value in values:
+            if isinstance(value, kind):
+                with contextlib.suppress(Exception):
+                    value.close()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("page", PAGES_WITH_PYTHON)
+def test_every_python_block_of_the_page_runs_in_order(page, tmp_path, monkeypatch):
+    for module in NEEDS.get(page, []):
+        pytest.importorskip(module, reason=f"{page} needs {module} (in the test extra)")
+    monkeypatch.chdir(tmp_path)  # what the blocks write (checkpoints, runs/) lands here
+    document = SYBIL.parse(DOCS / page)
+    document.namespace["__name__"] = "__main__"  # a notebook's or IPython's, where the guard is true
+    examples = list(document)
+    assert len(examples) == len(PYTHON_FENCE.findall((DOCS / page).read_text())), (
+        f"{page}: sybil found {len(examples)} Python blocks, the page has another number of ```python fences")
+    console = _run_console_block(page, tmp_path) if page in CONSOLE else None
+    try:
+        if console is not None:
+            _wait_for_cluster(page, tmp_path)
+        for example in examples:
+            example.evaluate()
+    finally:
+        _close_everything(document.namespace)
+        if console is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(console.pid, signal.SIGTERM)
+            console.wait(30)
+
+
+def test_every_page_with_code_has_python_blocks_that_ran():
+    """The parametrization above is every page with a ```python block; the others hold none by design."""
+    assert {"getting-started.md", "user-guide/checkpoints.md", "howto/cluster.md"} <= set(PAGES_WITH_PYTHON)
+    for page in _pages():
+        text = (DOCS / page).read_text()
+        assert "```{code-block} python" not in text and "```{code} python" not in text, (
+            f"{page}: use a ```python fence (run) or ```python-not-run (not run), not a code-block directive")
+
+
+@pytest.mark.timeout(900)
+def test_the_docs_build_with_warnings_as_errors(tmp_path):
+    for module in ("sphinx", "myst_nb", "pydata_sphinx_theme", "numpydoc"):
+        pytest.importorskip(module, reason=f'building the docs needs {module}: pip install ".[docs]"')
+    # The tour notebook is stored executed and tests/test_notebook.py runs it again: not a third time here.
+    cmd = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
+           "-D", "nb_execution_mode=off", "-d", str(tmp_path / "doctrees"), "docs", str(tmp_path / "html")]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=840)
+    assert out.returncode == 0, out.stderr[-5000:]
+    html = (tmp_path / "html" / "user-guide" / "checkpoints.html").read_text()
+    assert "save_counter" in html
+    assert (tmp_path / "html" / "reference" / "generated" / "daskps.ClusterCoordinator.html").exists()
+    assert (tmp_path / "html" / "generated" / "daskps_tour.html").exists()
+
+
+# ------------------------------------------------------------------ frictions a newcomer met (issue 22)
+
+
+def test_a_cluster_a_client_and_an_address_all_make_a_strategy(tmp_path):
+    """The existing-cluster path the docs give: ParameterServerStrategy takes a running cluster's address,
+    a distributed.Client or a cluster object, and trains the same."""
+    with dask_cli_cluster(tmp_path, ["ps=1", "worker=1"]) as client:
+        for given in (client.scheduler.address, client):
+            with dps.ParameterServerStrategy(given) as strategy:
+                assert strategy.cluster_resolver.cluster_spec()["ps"] and strategy.client is not None
+                coordinator = dps.ClusterCoordinator(strategy)
+                with strategy.scope():
+                    w = dps.Variable(np.zeros(2, np.float32), name="w")
+                for _ in range(3):
+                    coordinator.schedule(lambda: w.assign_add(np.ones(2, np.float32)))
+                coordinator.join()
+                np.testing.assert_array_equal(w.numpy(), [3.0, 3.0])
+        assert client.status == "running"  # a strategy closes only a client it made from an address
+    with pytest.raises(TypeError, match="a Dask cluster"):
+        dps.ParameterServerStrategy(42)
+
+
+def test_a_local_cluster_object_is_its_own_cluster_resolver(cluster, client):
+    with dps.ParameterServerStrategy(cluster) as strategy:
+        assert strategy.client is client  # the cluster's own client: the strategy does not close it
+        assert (strategy.cluster_resolver.num_ps, strategy.cluster_resolver.num_workers) == (2, 2)
+    assert client.status == "running"
+
+
+@pytest.mark.timeout(300)
+def test_the_first_script_runs_on_an_existing_cluster_with_the_one_line_the_docs_give(tmp_path):
+    """getting-started.md: "replace the last two lines with main("tcp://scheduler:8786")"."""
+    text = (DOCS / "getting-started.md").read_text()
+    script = text.split("Save this as `first.py`", 1)[1].split("```python\n", 1)[1].split("```\n", 1)[0]
+    line = re.search(r'```text\n(\s*main\("tcp://scheduler:8786"\))\n```', text).group(1)
+    guard, local = script.rstrip("\n").rsplit("\n", 2)[-2:]
+    assert "LocalPSCluster" in guard and local.strip() == "main(cluster)"
+    with dask_cli_cluster(tmp_path, ["ps=1", "worker=1", "worker=1"]) as client:
+        edited = script.rstrip("\n").rsplit("\n", 2)[0] + "\n" + line.replace(
+            "tcp://scheduler:8786", client.scheduler.address) + "\n"
+        (tmp_path / "first.py").write_text(edited)
+        out = subprocess.run([sys.executable, "first.py"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    start, end = map(float, re.fullmatch(r"loss (\S+) -> (\S+)\n", out.stdout).groups())
+    assert end < start - 0.2
+
+
+@pytest.mark.timeout(300)
+def test_the_softmax_example_takes_a_scheduler_address(tmp_path):
+    script = ROOT / "examples" / "train_softmax.py"
+    with dask_cli_cluster(tmp_path, ["ps=1", "ps=1", "worker=1"]) as client:
+        out = subprocess.run([sys.executable, str(script), "--scheduler", client.scheduler.address],
+                             capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert float(out.stdout.strip().splitlines()[-1].rsplit(" ", 1)[1]) > 0.9
+
+
+def test_schedule_given_a_dataset_says_to_pass_its_iterator(coordinator):
+    dataset = coordinator.create_per_worker_dataset(lambda: iter(range(10)))
+    before = coordinator.summary()["scheduled"]
+    with pytest.raises(TypeError, match=r"^args\[0\] is a PerWorkerDataset; pass iter\(dataset\) instead"):
+        coordinator.schedule(next, args=(dataset,))
+    with pytest.raises(TypeError, match=r"^kwargs\['data'\]\[1\] is a PerWorkerDataset; pass iter\(dataset\)"):
+        coordinator.schedule(lambda data: None, kwargs={"data": [0, dataset]})
+    assert coordinator.summary()["scheduled"] == before  # nothing was queued
+    assert coordinator.schedule(next, args=(iter(dataset),)).fetch() == 0  # the iterator, as the message says
+
+
+def test_git_ignores_what_the_demo_and_the_docs_build_write():
+    for path in ("daskps-demo-checkpoints/ckpt-1/manifest.json", "docs/_build/html/index.html",
+                 "docs/generated/daskps_tour.ipynb", "docs/reference/generated/daskps.Variable.rst"):
+        out = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT)
+        assert out.returncode == 0, f"{path} is not ignored by .gitignore"
