@@ -77,7 +77,7 @@ def test_resolver_validates_arguments(client):
 
 
 def test_cli_recipe_dask_scheduler_and_workers(tmp_path):
-    """The README's multi-machine recipe, on one machine: real dask CLI processes."""
+    """The multi-machine recipe (docs/howto/cluster.md), on one machine: real dask CLI processes."""
     with dask_cli_cluster(tmp_path, ["ps=1", "worker=1", "worker=1"]) as client:
         strategy = dps.ParameterServerStrategy(client)
         coordinator = dps.ClusterCoordinator(strategy)

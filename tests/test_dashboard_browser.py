@@ -1,7 +1,7 @@
 """The dashboard's plot pages seen as a person sees them: a real headless Chromium, during training.
 
-Needs Debian's ``chromium`` (``/usr/bin/chromium``; the README's test
-command installs it where it can) and Playwright's Python package (in the
+Needs Debian's ``chromium`` (``/usr/bin/chromium``; the test command
+of the README installs it where it can) and Playwright's Python package (in the
 test extra; no browser download: Playwright drives that Chromium).
 Set ``DASKPS_SCREENSHOTS=1`` to also write each page's screenshot to ``docs/``.
 """

@@ -1,4 +1,4 @@
-"""The README's deployment recipes: what each asks of Dask works, and each matches its library's current API."""
+"""The deployment recipes of docs/howto/cluster-managers.md: what each asks of Dask works, and each matches its library's current API."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Bad input, one case per row of the README's "Bad input" table.
+"""Bad input, one case per row of the "Bad input" table (docs/reference/bad-input.md).
 
 Every case runs against real parameter servers and checks two things: the
 exact exception, with a message that names the argument and what was

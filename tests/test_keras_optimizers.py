@@ -295,11 +295,11 @@ def test_a_refused_batch_on_a_server_changes_no_state(strategy):
     np.testing.assert_allclose(v.numpy(), after[-1][0], rtol=0, atol=ATOL)
 
 
-def test_the_readme_optimizers_example_runs_as_written(capsys):
-    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-    section = readme.split("\n## Optimizers\n", 1)[1].split("\n## ", 1)[0]
+def test_the_docs_optimizers_example_runs_as_written(capsys):
+    page = (pathlib.Path(__file__).parent.parent / "docs" / "user-guide" / "optimizers.md").read_text()
+    section = page.split("\n## Optimizers\n", 1)[1].split("\n## ", 1)[0]
     blocks = [b.split("```", 1)[0] for b in section.split("```python\n")[1:]]
     assert blocks
     for block in blocks:
-        exec(compile(block, "README.md (Optimizers)", "exec"), {})
+        exec(compile(block, "docs/user-guide/optimizers.md (Optimizers)", "exec"), {})
     assert capsys.readouterr().out.strip() == "0.0001"

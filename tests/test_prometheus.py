@@ -107,10 +107,10 @@ def test_metrics_endpoint_shows_daskps_during_training(tmp_path):
     assert re.fullmatch(r"tcp://127\.0\.0\.1:\d+", dict(next(iter(daskps_samples(second, prefix + "server_up"))))["scheduler"])
 
 
-def test_the_readme_documents_every_series():
+def test_the_docs_document_every_series():
     import pathlib
 
-    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "user-guide" / "dashboard.md").read_text()
     for name, kind, labels, _ in METRICS:
         full = f"dask_daskps_{name}{'_total' if kind == 'counter' else ''}"
         assert f"| `{full}` | {kind} | {', '.join(['scheduler', *labels])} |" in readme, full

@@ -48,7 +48,9 @@ def python_blocks(text: str) -> list[Block]:
     return blocks
 
 
-CLUSTER_BLOCKS = [b for b in python_blocks(README.read_text()) if STARTS_A_CLUSTER.search(b.code)]
+# Every ```python block of the README runs here (the docs' blocks run in tests/test_docs.py); shell
+# commands are fenced ```bash. Each starts a cluster, so each must be a guarded script or notebook code.
+CLUSTER_BLOCKS = python_blocks(README.read_text())
 
 
 def _params(notebook: bool) -> list:
@@ -60,7 +62,9 @@ def _params(notebook: bool) -> list:
 
 def test_blocks_that_start_a_cluster_are_guarded_scripts_or_marked_for_notebooks():
     assert CLUSTER_BLOCKS, "the README's first example starts a LocalPSCluster: the extractor found none"
+    assert len(CLUSTER_BLOCKS) == README.read_text().count("```python\n"), "a ```python block the extractor missed"
     for block in CLUSTER_BLOCKS:
+        assert STARTS_A_CLUSTER.search(block.code), f"README.md:{block.line} starts no cluster: move it to docs/"
         assert block.notebook or GUARD in block.code, (
             f"README.md:{block.line} starts a cluster: it needs {GUARD} or a line {NOTEBOOK_MARK!r} before it")
 
