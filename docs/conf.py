@@ -5,9 +5,10 @@ Build it (from the repository root, with ``pip install ".[docs]"``)::
     python -m sphinx -W -b html docs docs/_build/html
 
 The pages are MyST Markdown; ``examples/daskps_tour.ipynb`` (stored with its
-outputs) is copied in and rendered by myst-nb, executed again unless
-``-D nb_execution_mode=off`` is given; the API reference comes from the
-numpydoc docstrings through autodoc/autosummary.
+outputs) is copied in and rendered by myst-nb, executed again (cached under
+``docs/_build`` until it changes; ``-D nb_execution_mode=off`` skips that);
+the API reference comes from the numpydoc docstrings through
+autodoc/autosummary.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ myst_heading_anchors = 3
 # benchmarks/README.md, included as the benchmark log, is a running log whose headings skip levels.
 suppress_warnings = ["myst.header"]
 
-# The tour notebook is stored executed; the documented build runs it again (cached under
-# _build), the test's build passes -D nb_execution_mode=off (tests/test_notebook.py runs it).
+# The tour notebook is stored executed; the build runs it again (about 15 s; cached under _build
+# until the notebook changes). -D nb_execution_mode=off renders the stored outputs instead.
 nb_execution_mode = "cache"
 nb_execution_timeout = 600
 nb_execution_raise_on_error = True
