@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 import dask.config
 from dask.utils import parse_timedelta
+from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
@@ -268,10 +269,18 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
 
 
 async def _run_on_workers(scheduler: Any, calls: list[tuple[bytes, bytes]]) -> None:
-    for function, args in calls:
-        msg = {"op": "run", "function": function, "args": args, "kwargs": dumps({}), "wait": True}
+    """Run each pickled ``(function, args)`` on every running worker, all at once, ignoring failures.
+
+    Not ``scheduler.broadcast``: that logs an error for each worker it cannot
+    reach, and a worker closing with its cluster has nothing left to clean.
+    """
+    async def one(address: str, function: bytes, args: bytes) -> None:
         with contextlib.suppress(Exception):  # a worker that is gone has nothing to clean
-            await scheduler.broadcast(msg=msg, on_error="return")
+            await scheduler.rpc(address).run(function=function, args=args, kwargs=dumps({}), wait=True)
+
+    for function, args in calls:
+        running = [a for a, ws in scheduler.workers.items() if ws.status == Status.running]
+        await asyncio.gather(*(one(a, function, args) for a in running))
 
 
 def record_moves(moves: dict[str, tuple], dask_scheduler: Any = None) -> None:
