@@ -56,3 +56,34 @@ def test_a_bad_threshold_is_refused_naming_the_key(client, bad):
     with dps.ParameterServerStrategy(client) as strategy:  # nothing was left half made
         with strategy.scope():
             assert dps.Variable(1.0).numpy() == 1.0
+
+
+def test_the_heartbeat_failure_of_a_closing_worker_is_not_logged_while_a_running_ones_is():
+    """Dask logs a heartbeat cut short by the worker's own close with its traceback; daskps drops that one
+    message once its workers are closing, and nothing else."""
+    import asyncio
+    import logging
+
+    from distributed import Scheduler, Worker
+
+    from daskps.ps.worker_state import HEARTBEAT_FAILED, _QuietHeartbeatAtClose
+
+    failed = logging.makeLogRecord({"name": "distributed.worker", "msg": HEARTBEAT_FAILED, "levelno": logging.ERROR})
+    other = logging.makeLogRecord({"name": "distributed.worker", "msg": "Heartbeat: %s", "levelno": logging.DEBUG})
+
+    async def main():
+        quiet = _QuietHeartbeatAtClose()
+        assert quiet.filter(failed)  # no daskps worker here: Dask's message as it is
+        async with Scheduler(host="127.0.0.1", port=0, dashboard_address="127.0.0.1:0") as s:
+            a = await Worker(s.address, host="127.0.0.1", nthreads=1)
+            b = await Worker(s.address, host="127.0.0.1", nthreads=1)
+            quiet.workers.update([a, b])
+            assert quiet.filter(failed) and quiet.filter(other)  # running: shown
+            await a.close()
+            assert quiet.filter(failed)  # b still runs: its heartbeat failing would be news
+            await b.close()
+            assert not quiet.filter(failed)  # every worker closed: dropped
+            assert quiet.filter(other)  # only that message
+
+    asyncio.run(main())
+    assert _QuietHeartbeatAtClose in {type(f) for f in logging.getLogger("distributed.worker").filters}

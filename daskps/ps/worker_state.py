@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import dask.config
 from dask.utils import parse_bytes
+from distributed.core import Status
 from distributed.diagnostics.plugin import WorkerPlugin
 
 WORKER_PLUGIN_NAME = "daskps-worker"
@@ -47,6 +50,7 @@ class DaskPSWorkerPlugin(WorkerPlugin):
     def setup(self, worker: Any) -> None:
         self.worker = worker
         set_mmap_threshold(dask.config.get("daskps.worker-mmap-threshold"))
+        _QUIET.workers.add(worker)
 
     def teardown(self, worker: Any) -> None:
         for part in list(self.parts.values()):
@@ -64,6 +68,34 @@ class DaskPSWorkerPlugin(WorkerPlugin):
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+
+
+class _QuietHeartbeatAtClose(logging.Filter):
+    """Drops Dask's "failed to communicate with scheduler during heartbeat" once the workers are closing.
+
+    A worker closing with its cluster stops its heartbeat timer and then its
+    connections, while a heartbeat sent just before may still wait for the
+    scheduler's answer: that one fails, and Dask logs the ``CommClosedError``
+    with its traceback, although nothing is wrong. The message goes through
+    as Dask wrote it while any daskps worker of this process still runs (a
+    record does not say which worker logged it).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.workers: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != HEARTBEAT_FAILED:
+            return True
+        workers = list(self.workers)
+        return not workers or any(w.status not in _CLOSING for w in workers)
+
+
+HEARTBEAT_FAILED = "Failed to communicate with scheduler during heartbeat."
+_CLOSING = frozenset({Status.closing, Status.closed, Status.closing_gracefully, Status.failed})
+_QUIET = _QuietHeartbeatAtClose()
+logging.getLogger("distributed.worker").addFilter(_QUIET)
 
 
 def mmap_threshold(threshold: object) -> int:
