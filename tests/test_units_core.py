@@ -1,0 +1,388 @@
+"""Unit tests of ``daskps._core`` in this process: transforms, schedules, clipping, slices, arrays, nest.
+
+Expected numbers are numpy written from Keras 3's published rules
+(``keras/src/optimizers/*.py``, ``keras/src/optimizers/schedules``) or from
+the definitions in the docstrings; expected messages are the exact text a
+user sees. Nothing is compared with daskps' own output.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+
+from daskps._core import arrays as A
+from daskps._core import clipping as CL
+from daskps._core import nest
+from daskps._core import schedules as S
+from daskps._core import transforms as T
+from daskps._core.slices import IndexedSlices
+
+GRADS = [np.array([0.5, -1.0, 2.0]), np.array([-0.3, 0.8, 1.0]), np.array([1.5, 0.1, -2.0]),
+         np.array([0.2, -0.4, 0.6])]
+START = np.array([1.0, -2.0, 0.5])
+
+
+def _run(transform, grads=GRADS, start=START):
+    param, state = start.copy(), None
+    for g in grads:
+        state = T.apply_gradient(transform, param, state, "dense", g)
+    return param, state
+
+
+# -- transforms ------------------------------------------------------------------------------------------
+def test_rmsprop_centered_with_momentum_is_keras_rule():
+    lr, rho, mom, eps = 0.05, 0.8, 0.5, 1e-6
+    p, v, m, a = START.copy(), np.zeros(3), np.zeros(3), np.zeros(3)
+    for g in GRADS:
+        v = rho * v + (1 - rho) * g * g
+        a = rho * a + (1 - rho) * g
+        inc = lr * g / np.sqrt(v - a * a + eps)
+        m = mom * m + inc
+        p = p - m
+    got, state = _run(T.RMSpropTransform(lr, rho=rho, momentum=mom, epsilon=eps, centered=True))
+    np.testing.assert_allclose(got, p, rtol=1e-12)
+    np.testing.assert_allclose(state.average_gradient, a, rtol=1e-12)
+    assert state.count == 4
+
+
+def test_lion_keeps_its_momentum_with_beta_2():
+    b1, b2, lr = 0.9, 0.99, 0.1
+    grads = [np.array([1.0]), np.array([1.0]), np.array([-0.18])]  # the third step's sign depends on m * beta_2
+    p, m = np.array([0.0]), np.zeros(1)
+    for g in grads:
+        p = p - lr * np.sign(m * b1 + g * (1 - b1))
+        m = m * b2 + g * (1 - b2)
+    got, state = _run(T.LionTransform(lr, b1, b2), grads, np.array([0.0]))
+    np.testing.assert_allclose(got, p, rtol=1e-12)
+    np.testing.assert_allclose(state.m, m, rtol=1e-12)
+    assert got[0] == pytest.approx(-0.1)  # +0.1 - 0.1 - 0.1 with m * beta_2; -0.3 would be m / beta_2
+
+
+def test_adagrad_with_a_schedule_uses_the_rate_at_each_count():
+    sched = S.InverseTimeDecay(0.5, decay_steps=1, decay_rate=1.0)  # 0.5 / (1 + step)
+    p, acc = START.copy(), np.full(3, 0.1)
+    for k, g in enumerate(GRADS):
+        acc = acc + g * g
+        p = p - (0.5 / (1 + k)) * g / np.sqrt(acc + 1e-7)
+    got, state = _run(T.AdagradTransform(sched))
+    np.testing.assert_allclose(got, p, rtol=1e-12)
+    assert state.count == 4
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [T.SGDTransform(0.1), T.SGDTransform(0.1, momentum=0.5), T.AdagradTransform(0.1), T.AdamTransform(0.1),
+     T.RMSpropTransform(0.1), T.FtrlTransform(0.1), T.AdamaxTransform(0.1), T.NadamTransform(0.1),
+     T.LionTransform(0.1)],
+    ids=lambda t: type(t).__name__,
+)
+def test_every_update_counts_one_step(transform):
+    state = transform.init(START)
+    assert state.count == 0
+    for k in range(1, 4):
+        _, state = transform.update(GRADS[k], state, START)
+        assert state.count == k
+
+
+@pytest.mark.parametrize(
+    "transform, slots",
+    [
+        (T.SGDTransform(0.1), set()),  # Keras SGD: momentums only when momentum != 0
+        (T.SGDTransform(0.1, momentum=0.9), {"momentum"}),
+        (T.AdamTransform(), {"m", "v"}),  # Keras Adam: velocity_hats only with amsgrad
+        (T.AdamTransform(amsgrad=True), {"m", "v", "v_hat"}),
+        (T.RMSpropTransform(), {"velocity"}),  # Keras RMSprop: momentums if momentum > 0, averages if centered
+        (T.RMSpropTransform(momentum=0.5), {"velocity", "momentum"}),
+        (T.RMSpropTransform(centered=True), {"velocity", "average_gradient"}),
+        (T.AdagradTransform(initial_accumulator_value=0.3), {"accumulator"}),
+        (T.LionTransform(), {"m"}),
+    ],
+    ids=str,
+)
+def test_init_makes_the_slots_keras_makes_and_no_others(transform, slots):
+    state = transform.init(START)
+    assert set(T.slot_arrays(state)) == slots and state.count == 0
+    if "accumulator" in slots:
+        assert state.accumulator.tolist() == [0.3] * 3
+
+
+def test_sgd_without_decay_leaves_an_infinite_parameter_infinite():
+    param = np.array([np.inf, 1.0])
+    T.apply_gradient(T.SGDTransform(0.1), param, None, "dense", np.array([1.0, 1.0]))
+    assert param[0] == np.inf and param[1] == pytest.approx(0.9)
+
+
+def test_decay_exempt_by_key_or_by_pattern():
+    ex = T.DecayExempt(frozenset({"k1"}), pattern="bias$")
+    assert ex.covers("k1", "dense/kernel")
+    assert ex.covers("k2", "dense/bias")
+    assert not ex.covers("k2", "dense/kernel")
+    assert not T.DecayExempt(frozenset({"k1"})).covers("k2", "dense/bias")
+    assert not T.DecayExempt().covers("k1", "x")
+
+
+def test_for_variable_drops_weight_decay_only_where_exempt():
+    ex = T.DecayExempt(pattern="bias")
+    adam = T.AdamTransform(weight_decay=0.1, decay_exempt=ex)
+    assert T.for_variable(adam, "k", "dense/bias").weight_decay is None
+    assert T.for_variable(adam, "k", "dense/kernel") is adam
+    plain = T.AdamTransform(decay_exempt=ex)
+    assert T.for_variable(plain, "k", "dense/bias") is plain
+
+
+def test_state_from_slots_keeps_the_known_slots_and_the_count():
+    param = np.zeros(2)
+    saved = {"m": np.array([1.0, 2.0]), "unknown": np.array([9.0]), "count": np.array([7.0])}
+    state = T.state_from_slots(T.AdamTransform(), param, np.int64(5), saved)
+    assert state.count == 5 and type(state.count) is int
+    assert state.m.tolist() == [1.0, 2.0] and state.v.tolist() == [0.0, 0.0] and state.v_hat is None
+
+
+def test_sum_rows_sums_each_distinct_index():
+    rng = np.random.default_rng(0)
+    idx = rng.integers(0, 3, size=200)
+    vals = rng.normal(size=(200, 2)).astype(np.float32)
+    got_idx, got = T.sum_rows(idx, vals)
+    assert got_idx.tolist() == [0, 1, 2] and got.dtype == np.float32
+    np.testing.assert_allclose(got, [vals[idx == i].astype(np.float64).sum(axis=0) for i in range(3)], rtol=1e-5)
+
+
+def test_sum_rows_of_nothing_and_of_no_repeats():
+    idx, vals = T.sum_rows(np.zeros(0, np.intp), np.zeros((0, 2)))
+    assert idx.shape == (0,) and vals.shape == (0, 2)
+    idx, vals = T.sum_rows(np.array([2, 0]), np.array([[1.0], [2.0]]))
+    assert idx.tolist() == [0, 2] and vals.tolist() == [[2.0], [1.0]]
+
+
+def test_additive_only_for_plain_sgd_at_a_fixed_rate():
+    assert T.additive(T.SGDTransform(0.1))
+    assert not T.additive(T.SGDTransform(S.ExponentialDecay(0.1, 10, 0.5)))
+    assert not T.additive(T.SGDTransform(0.1, weight_decay=0.01))
+    assert not T.additive(T.AdagradTransform(0.1))
+
+
+def test_check_trainable_refuses_integers_by_name():
+    T.check_trainable(np.dtype("float16"), "w", "adam")
+    with pytest.raises(TypeError) as info:
+        T.check_trainable(np.dtype("int32"), "w", "adam")
+    assert str(info.value) == ("optimizer 'adam' cannot train variable 'w' of dtype int32: only floating-point "
+                               "variables have gradients (exclude it from the gradients, or make it float)")
+
+
+def test_apply_gradient_times_counts_every_merged_step():
+    param = np.zeros(2)
+    state = T.apply_gradient(T.SGDTransform(0.5), param, None, "dense", np.array([1.0, 2.0]), times=3)
+    assert state.count == 3 and param.tolist() == [-0.5, -1.0]
+    state = T.apply_gradient(T.SGDTransform(0.5), param, state, "dense", np.array([1.0, 2.0]))
+    assert state.count == 4
+
+
+def test_rows_with_lazy_sparse_off_are_a_dense_gradient():
+    # Keras' dense behaviour: every row's slots move, repeated rows summed
+    param = np.zeros((3, 1))
+    state = T.apply_gradient(T.AdamTransform(0.1), param, None, "rows", (np.array([0, 0]), np.array([[1.0], [1.0]])),
+                             lazy_sparse=False)
+    assert state.count == 1 and state.m[:, 0].tolist() == pytest.approx([0.2, 0.0, 0.0])
+
+
+# -- schedules -------------------------------------------------------------------------------------------
+def test_cosine_warmup_starts_from_the_initial_rate():
+    s = S.CosineDecay(0.1, decay_steps=4, warmup_target=1.0, warmup_steps=4)
+    # Keras: (target - initial) * (step / warmup_steps) + initial while warming up
+    assert [round(s(k), 10) for k in (0, 1, 2, 4)] == [0.1, 0.325, 0.55, 1.0]
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: S.ExponentialDecay(True, 10, 0.5), "initial_learning_rate must be a number, got True"),
+        (lambda: S.ExponentialDecay(0.1, 0, 0.5), "decay_steps must be > 0, got 0"),
+        (lambda: S.ExponentialDecay(0.1, "10", 0.5), "decay_steps must be a number, got '10'"),
+        (lambda: S.ExponentialDecay(0.1, 10, None), "decay_rate must be a number, got None"),
+        (lambda: S.InverseTimeDecay("a", 10, 0.5), "initial_learning_rate must be a number, got 'a'"),
+        (lambda: S.InverseTimeDecay(0.1, -1, 0.5), "decay_steps must be > 0, got -1"),
+        (lambda: S.InverseTimeDecay(0.1, 1, [0.5]), "decay_rate must be a number, got [0.5]"),
+        (lambda: S.PolynomialDecay(None, 10), "initial_learning_rate must be a number, got None"),
+        (lambda: S.PolynomialDecay(0.1, 0.0), "decay_steps must be > 0, got 0.0"),
+        (lambda: S.PolynomialDecay(0.1, 10, end_learning_rate="x"), "end_learning_rate must be a number, got 'x'"),
+        (lambda: S.PolynomialDecay(0.1, 10, power=False), "power must be a number, got False"),
+        (lambda: S.CosineDecay(None, 10), "initial_learning_rate must be a number, got None"),
+        (lambda: S.CosineDecay(0.1, 0), "decay_steps must be > 0, got 0"),
+        (lambda: S.CosineDecay(0.1, 10, alpha="0"), "alpha must be a number, got '0'"),
+        (lambda: S.CosineDecay(0.1, 10, warmup_target="1"), "warmup_target must be a number, got '1'"),
+        (lambda: S.CosineDecay(0.1, 10, warmup_steps=-2), "warmup_steps must be >= 0, got -2"),
+        (lambda: S.CosineDecay(0.1, 10, warmup_steps=None), "warmup_steps must be a number, got None"),
+        (lambda: S.PiecewiseConstantDecay([1, 2], [1.0, 0.5]),
+         "boundaries must have one item fewer than values, got 2 boundaries and 2 values"),
+        (lambda: S.PiecewiseConstantDecay(["1"], [1.0, 0.5]), "boundaries must be a number, got '1'"),
+        (lambda: S.PiecewiseConstantDecay([1], [1.0, None]), "values must be a number, got None"),
+    ],
+)
+def test_schedule_arguments_are_refused_by_name(make, message):
+    with pytest.raises(ValueError) as info:
+        make()
+    assert str(info.value) == message
+
+
+def test_a_schedule_base_class_must_be_subclassed():
+    with pytest.raises(NotImplementedError):
+        S.LearningRateSchedule()(0)
+
+
+# -- clipping --------------------------------------------------------------------------------------------
+def test_clipvalue_and_global_clipnorm_keep_rows_as_rows():
+    rows = ("rows", (np.array([1, 1]), np.array([[3.0], [-4.0]])))
+    (kind, (idx, vals)), = CL.clip_gradients(CL.Clipping(clipvalue=2.0), [rows])
+    assert kind == "rows" and idx.tolist() == [1, 1] and vals.tolist() == [[2.0], [-2.0]]
+    out = CL.clip_gradients(CL.Clipping(global_clipnorm=1.0), [rows, ("dense", np.array([0.0]))])
+    (kind, (idx, vals)), (dkind, dense) = out
+    assert kind == "rows" and idx.tolist() == [1, 1] and vals[:, 0].tolist() == pytest.approx([0.6, -0.8])
+    assert dkind == "dense" and dense.tolist() == [0.0]
+
+
+def test_global_clipnorm_leaves_small_and_zero_gradients_alone():
+    out = CL.clip_gradients(CL.Clipping(global_clipnorm=1.0), [("dense", np.array([0.3, 0.4]))])
+    assert out[0][1].tolist() == [0.3, 0.4]
+    out = CL.clip_gradients(CL.Clipping(global_clipnorm=1.0), [("dense", np.zeros(2))])
+    assert out[0][1].tolist() == [0.0, 0.0]
+
+
+def test_clipnorm_of_rows_is_over_the_values_as_given():
+    # Keras clips each gradient by its own L2 norm: 5 -> scaled by 1/5
+    (kind, (idx, vals)), = CL.clip_gradients(CL.Clipping(clipnorm=1.0),
+                                             [("rows", (np.array([0, 0]), np.array([[3.0], [4.0]], np.float32)))])
+    assert vals.dtype == np.float32 and vals[:, 0].tolist() == pytest.approx([0.6, 0.8])
+
+
+# -- IndexedSlices ---------------------------------------------------------------------------------------
+def test_indexed_slices_of_no_rows_has_integer_indices():
+    s = IndexedSlices(np.zeros((0, 2)), [], dense_shape=(3, 2))
+    assert s.indices.dtype == np.intp and np.asarray(s).tolist() == [[0, 0]] * 3
+
+
+def test_indexed_slices_keeps_the_values_dtype_when_made_dense():
+    s = IndexedSlices(np.array([[1, 2]], np.int32), [1], dense_shape=(2, 2))
+    assert np.asarray(s).dtype == np.int32
+    assert np.asarray(s, dtype=np.float16).dtype == np.float16
+
+
+def test_indexed_slices_refusals_are_exact():
+    with pytest.raises(TypeError) as info:
+        IndexedSlices(np.zeros(2), np.array([0.0, 1.0]))
+    assert str(info.value) == "indices must be integers, got dtype float64"
+    with pytest.raises(ValueError) as info:
+        IndexedSlices(np.zeros((2, 3)), [0, 1], dense_shape=(4, 2))
+    assert str(info.value) == "values rows have shape (3,), which does not fit dense_shape (4, 2)"
+    with pytest.raises(ValueError) as info:
+        np.asarray(IndexedSlices(np.zeros((2, 3)), [0, 1]))
+    assert str(info.value) == "only IndexedSlices with 1-D indices and a dense_shape convert to a dense array"
+
+
+# -- arrays ----------------------------------------------------------------------------------------------
+class _NoDtype:
+    def __array__(self, dtype=None, copy=None):
+        return np.array([1.0, 2.0])
+
+
+class _Typed(_NoDtype):
+    dtype = np.dtype("float64")
+
+
+def test_only_things_with_a_dtype_keep_64_bits():
+    assert A.default_array(_NoDtype()).dtype == np.float32
+    assert A.default_array(_Typed()).dtype == np.float64
+    assert A.materialize(_Typed(), None, None, "w").dtype == np.float64
+    assert A.materialize(_NoDtype(), None, None, "w").dtype == np.float32
+
+
+def test_default_array_refusals_are_exact():
+    with pytest.raises(ValueError, match=r"^v must be an array-like of one shape: "):
+        A.default_array([[1.0], [1.0, 2.0]], "v")
+    with pytest.raises(TypeError) as info:
+        A.default_array("abc")
+    assert str(info.value) == "value must be numeric, got dtype <U3 from str"
+
+
+def test_check_variable_args():
+    assert A.check_variable_args(1.0, None, None, None) == ("Variable", None, None)
+    assert A.check_variable_args(1.0, "w", "int8", [0, 3]) == ("w", np.dtype("int8"), (0, 3))
+    for kwargs, error, message in [
+        ((None, "w", None, None), ValueError, "initial_value must be given (an array-like or a callable), got None"),
+        ((1.0, "", None, None), TypeError, "name must be a non-empty str, got ''"),
+        ((1.0, "w", "nope", None), TypeError, "dtype must be a numpy dtype, got 'nope'"),
+        ((1.0, "w", "U3", None), TypeError, "dtype must be numeric, got <U3"),
+        ((1.0, "w", None, 3), TypeError, "shape must be a tuple of ints, got 3"),
+        ((1.0, "w", None, (2, -1)), ValueError, "shape must not have negative dimensions, got (2, -1)"),
+    ]:
+        with pytest.raises(error) as info:
+            A.check_variable_args(*kwargs)
+        assert str(info.value) == message
+
+
+def test_call_initializer_offers_what_is_named():
+    seen = {}
+
+    def part(shape, partition_shape, partition_offset):
+        seen.update(shape=shape, partition_shape=partition_shape, partition_offset=partition_offset)
+
+    A.call_initializer(part, (4, 3), np.dtype("float32"))
+    assert seen == {"shape": (4, 3), "partition_shape": (4, 3), "partition_offset": (0, 0)}
+    A.call_initializer(part, (4, 3), None, (2, 3), (2, 0))
+    assert seen == {"shape": (4, 3), "partition_shape": (2, 3), "partition_offset": (2, 0)}
+    got = A.call_initializer(lambda **kw: kw, (2,), np.dtype("int8"))
+    assert got == {"shape": (2,), "dtype": np.dtype("int8"), "partition_shape": (2,), "partition_offset": (0,)}
+    assert A.call_initializer(lambda **kw: kw, None, None) == {}
+    assert A.call_initializer(lambda: 5, (2,), None) == 5
+
+
+def test_build_part_cuts_the_part_from_a_whole_value():
+    whole = np.arange(12).reshape(4, 3)
+    got, built = A.build_part(whole, None, (4, 3), None, (2, 3), (2, 0))
+    assert built and got.tolist() == whole[2:4].tolist()
+    got, built = A.build_part(whole[2:4], None, (4, 3), None, (2, 3), (2, 0))
+    assert not built and got.tolist() == whole[2:4].tolist()
+    got, built = A.build_part(whole, None, (4, 3), None, (4, 3), (0, 0))
+    assert not built and got is whole
+    got, built = A.build_part(whole, None, (4, 3), None, None, None)
+    assert not built and got is whole
+    got, built = A.build_part(None, lambda shape: np.ones(shape), (4, 3), None, (1, 3), (3, 0))
+    assert built and got.shape == (1, 3)
+
+
+def test_materialize_copies_unless_the_value_is_a_fresh_array():
+    base = np.arange(4.0)
+    assert not np.shares_memory(A.materialize(base, None, None, "w"), base)
+    assert A.materialize(base, None, None, "w", fresh=True) is base
+    view = base[1:]
+    assert not np.shares_memory(A.materialize(view, None, None, "w", fresh=True), base)
+
+
+def test_materialize_defaults_and_refusals():
+    assert A.materialize([True, False], None, None, "w").dtype == np.bool_
+    assert A.materialize([1, 2], None, None, "w").dtype == np.int32
+    with pytest.raises(TypeError, match=r"^initial_value of variable 'w' cannot be an array of dtype float32: "):
+        A.materialize(["a"], np.dtype("float32"), None, "w")
+    with pytest.raises(TypeError, match=r"^initial_value of variable 'w' cannot be an array of dtype numbers: "):
+        A.materialize([[1.0], [1.0, 2.0]], None, None, "w")
+    with pytest.raises(ValueError) as info:
+        A.materialize([1.0], None, (2,), "w")
+    assert str(info.value) == "initial_value of variable 'w' has shape (1,), expected shape (2,)"
+    with pytest.raises(TypeError) as info:
+        A.materialize(np.array(["a"]), None, None, "w")
+    assert str(info.value) == "initial_value of variable 'w' must hold numbers, got dtype <U1"
+
+
+# -- nest ------------------------------------------------------------------------------------------------
+Pair = collections.namedtuple("Pair", "a b")
+
+
+def test_map_structure_keeps_every_container_type():
+    tree = {"x": [1, (2, 3)], "p": Pair(4, {"y": 5}), "o": collections.OrderedDict(z=6)}
+    got = nest.map_structure(lambda v: v * 10, tree)
+    assert got == {"x": [10, (20, 30)], "p": Pair(40, {"y": 50}), "o": collections.OrderedDict(z=60)}
+    assert type(got["p"]) is Pair and type(got["x"][1]) is tuple and type(got["o"]) is collections.OrderedDict
+    assert nest.flatten(tree) == [1, 2, 3, 4, 5, 6]
+    assert nest.flatten(7) == [7] and nest.map_structure(str, []) == []
