@@ -87,7 +87,51 @@ def test_write_piece_of_a_scalar_is_one_row_of_shape_empty(fs_root):
     assert rec.dtype == "<i8"
     assert _load(fs, f"{root}/step@0.npy").shape == ()
     got = C.read_rows(fs, root, 0, 1, [rec.piece], (), np.dtype("int64"))
-    assert got.shape == () and int(got) == 7
+    assert got.shape == () and got.dtype == np.int64 and int(got) == 7
+    got = C.read_rows(fs, root, 0, 1, [rec.piece], (), np.dtype("float32"))
+    assert got.shape == () and got.dtype == np.float32 and float(got) == 7.0
+
+
+def test_a_scalar_piece_is_checked_against_the_manifest(fs_root):
+    fs, root = fs_root
+    _save(fs, f"{root}/s.npy", np.array([7.0]))
+    with pytest.raises(ValueError) as info:
+        C.read_rows(fs, root, 0, 1, [{"file": "s.npy", "offset": 0, "rows": 1, "shape": []}], (), np.dtype("f8"))
+    assert str(info.value) == f"{root}/s.npy holds float64 (1,); the manifest says float64 ()"
+
+
+def test_a_one_dimensional_tensor_in_pieces_is_read_row_by_row(fs_root):
+    fs, root = fs_root
+    _save(fs, f"{root}/a.npy", np.array([1.0, 2.0]))
+    _save(fs, f"{root}/b.npy", np.array([3.0]))
+    pieces = [_piece("a.npy", 0, np.zeros(2)), _piece("b.npy", 2, np.zeros(1))]
+    assert C.read_rows(fs, root, 0, 3, pieces, (), np.dtype("float64")).tolist() == [1.0, 2.0, 3.0]
+    assert C.read_rows(fs, root, 1, 3, pieces[1:] + pieces[:1], (), np.dtype("float32")).tolist() == [2.0, 3.0]
+
+
+class _ShortReads:
+    """A filesystem whose files hand out at most 5 bytes per ``readinto`` (as sockets and some remote stores do)."""
+
+    def __init__(self, fs):
+        self.fs = fs
+
+    def open(self, path, mode="rb"):
+        f = self.fs.open(path, mode)
+        real = f.readinto
+
+        def readinto(view):
+            return real(memoryview(view)[:5])
+
+        f.readinto = readinto
+        return f
+
+
+def test_reading_into_place_keeps_going_after_short_reads(fs_root):
+    fs, root = fs_root
+    whole = np.arange(12.0).reshape(6, 2)
+    _save(fs, f"{root}/a.npy", whole)
+    got = C.read_rows(_ShortReads(fs), root, 1, 5, [_piece("a.npy", 0, whole)], (2,), np.dtype("float64"))
+    np.testing.assert_array_equal(got, whole[1:5])
 
 
 def test_write_with_slots_records_each_slot_and_the_step_counts(fs_root):
@@ -102,6 +146,7 @@ def test_write_with_slots_records_each_slot_and_the_step_counts(fs_root):
         ("w/.OPTIMIZER_SLOT/opt/v", "w%2F.OPTIMIZER_SLOT%2Fopt%2Fv@4.npy", 5, None),
     ]
     assert _load(fs, f"{root}/w%2F.OPTIMIZER_SLOT%2Fopt%2Fm@4.npy").tolist() == [[3.0, 3.0], [3.0, 3.0]]
+    assert _load(fs, f"{root}/w@4.npy").tolist() == [[1.0, 1.0], [1.0, 1.0]]
     assert all(r.piece["offset"] == 4 for r in recs)
 
 
@@ -127,8 +172,10 @@ def test_read_rows_spans_pieces_of_any_split_from_numpys_files(fs_root, version)
 def test_read_rows_converts_to_the_dtype_asked_for(fs_root):
     fs, root = fs_root
     whole = np.arange(8, dtype=np.int32).reshape(4, 2)
-    _save(fs, f"{root}/a.npy", whole)
-    got = C.read_rows(fs, root, 1, 4, [_piece("a.npy", 0, whole)], (2,), np.dtype("float32"))
+    _save(fs, f"{root}/a.npy", whole[:2])
+    _save(fs, f"{root}/b.npy", whole[2:])
+    pieces = [_piece("a.npy", 0, whole[:2]), _piece("b.npy", 2, whole[2:])]
+    got = C.read_rows(fs, root, 1, 4, pieces, (2,), np.dtype("float32"))
     assert got.dtype == np.float32 and got.tolist() == whole[1:4].tolist()
 
 
@@ -202,21 +249,29 @@ def test_read_rows_at_reads_rows_in_any_order_across_pieces(fs_root):
         pieces.append(_piece(f"p{a}.npy", a, whole[a:b]))
     rows = np.array([8, 0, 4, 3, 3, 6])
     got = C.read_rows_at(fs, root, rows, pieces, (2,), np.dtype("float32"))
+    assert got.dtype == np.float32
     np.testing.assert_array_equal(got, whole[rows])
     with pytest.raises(ValueError) as info:
         C.read_rows_at(fs, root, np.array([1, 9, 12, 4]), pieces, (2,), np.dtype("float32"))
     assert str(info.value) == "checkpoint pieces do not hold rows [9, 12]"
+    with pytest.raises(ValueError) as info:  # at most five named
+        C.read_rows_at(fs, root, np.arange(9, 16), pieces, (2,), np.dtype("float32"))
+    assert str(info.value) == "checkpoint pieces do not hold rows [9, 10, 11, 12, 13]"
+    wrong = [dict(p, shape=[p["rows"], 3]) for p in pieces]
+    with pytest.raises(ValueError, match=r"holds float32 \(4, 2\); the manifest says float32 \(4, 3\)$"):
+        C.read_rows_at(fs, root, np.array([1]), wrong, (3,), np.dtype("float32"))
 
 
 def test_load_target_reads_the_value_and_each_optimizers_slots(fs_root):
     fs, root = fs_root
-    whole = np.arange(6.0).reshape(6, 1)
+    whole = np.arange(12.0).reshape(6, 2)
     slot = whole * 10
     _save(fs, f"{root}/v.npy", whole)
     _save(fs, f"{root}/m.npy", slot)
     spec = C.RestoreSpec(2, 5, [_piece("v.npy", 0, whole)],
-                         {"adam": C.SavedSlots(7, {"m": [_piece("m.npy", 0, slot)]}), "fresh": None})
-    value, slots = C.load_target(fs, root, spec, (3, 1), np.dtype("float64"))
+                         {"fresh": None, "adam": C.SavedSlots(7, {"m": [_piece("m.npy", 0, slot)]})})
+    value, slots = C.load_target(fs, root, spec, (3, 2), np.dtype("float32"))
+    assert value.dtype == np.float32 and slots["adam"][1]["m"].dtype == np.float32
     np.testing.assert_array_equal(value, whole[2:5])
     assert slots["fresh"] is None and slots["adam"][0] == 7
     np.testing.assert_array_equal(slots["adam"][1]["m"], slot[2:5])
@@ -229,6 +284,7 @@ def test_load_target_with_rows_reads_those_rows(fs_root):
     _save(fs, f"{root}/m.npy", -whole)
     spec = C.RestoreSpec(0, 0, [_piece("v.npy", 0, whole)], {"o": C.SavedSlots(2, {"m": [_piece("m.npy", 0, whole)]})},
                          rows=[2, 0])
-    value, slots = C.load_target(fs, root, spec, (2, 2), np.dtype("float64"))
+    value, slots = C.load_target(fs, root, spec, (2, 2), np.dtype("float32"))
+    assert value.dtype == np.float32
     np.testing.assert_array_equal(value, whole[[2, 0]])
     np.testing.assert_array_equal(slots["o"][1]["m"], -whole[[2, 0]])
