@@ -100,13 +100,30 @@ def test_every_update_counts_one_step(transform):
         (T.AdagradTransform(initial_accumulator_value=0.3), {"accumulator"}),
         (T.LionTransform(), {"m"}),
     ],
-    ids=str,
+    ids=[f"case{i}" for i in range(9)],
 )
 def test_init_makes_the_slots_keras_makes_and_no_others(transform, slots):
     state = transform.init(START)
     assert set(T.slot_arrays(state)) == slots and state.count == 0
     if "accumulator" in slots:
         assert state.accumulator.tolist() == [0.3] * 3
+
+
+ALL = [T.SGDTransform, T.AdagradTransform, T.AdamTransform, T.RMSpropTransform, T.FtrlTransform, T.AdamaxTransform,
+       T.NadamTransform, T.LionTransform]
+
+
+@pytest.mark.parametrize("kind", ALL, ids=lambda k: k.__name__)
+def test_a_schedule_is_asked_for_the_rate_at_the_variables_count(kind):
+    # Keras: lr = schedule(iterations): 0.1 for the first update, 0.05 for the second
+    sched = S.PiecewiseConstantDecay([0], [0.1, 0.05])
+    got, state = _run(kind(sched), GRADS[:2])
+    want, fixed = START.copy(), None
+    for rate, g in zip((0.1, 0.05), GRADS[:2]):
+        t = kind(rate)
+        fixed = T.apply_gradient(t, want, fixed, "dense", g)
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    assert state.count == 2
 
 
 def test_sgd_without_decay_leaves_an_infinite_parameter_infinite():
@@ -122,6 +139,18 @@ def test_decay_exempt_by_key_or_by_pattern():
     assert not ex.covers("k2", "dense/kernel")
     assert not T.DecayExempt(frozenset({"k1"})).covers("k2", "dense/bias")
     assert not T.DecayExempt().covers("k1", "x")
+
+
+def test_for_variable_exempts_by_server_key_and_leaves_other_transforms_alone():
+    adam = T.AdamTransform(weight_decay=0.1, decay_exempt=T.DecayExempt(frozenset({"k7"})))
+    assert T.for_variable(adam, "k7", "any").weight_decay is None
+    assert T.for_variable(adam, "k8", "any").weight_decay == 0.1
+
+    class Custom(collections.namedtuple("Custom", "learning_rate weight_decay")):
+        pass  # a user's transform without decay_exempt
+
+    custom = Custom(0.1, 0.5)
+    assert T.for_variable(custom, "k", "n") is custom
 
 
 def test_for_variable_drops_weight_decay_only_where_exempt():
@@ -173,11 +202,22 @@ def test_check_trainable_refuses_integers_by_name():
 
 
 def test_apply_gradient_times_counts_every_merged_step():
+    state = T.apply_gradient(T.SGDTransform(0.5), np.zeros(1), None, "dense", np.array([1.0]), times=2)
+    assert state.count == 2
     param = np.zeros(2)
     state = T.apply_gradient(T.SGDTransform(0.5), param, None, "dense", np.array([1.0, 2.0]), times=3)
     assert state.count == 3 and param.tolist() == [-0.5, -1.0]
     state = T.apply_gradient(T.SGDTransform(0.5), param, state, "dense", np.array([1.0, 2.0]))
     assert state.count == 4
+
+
+def test_rows_are_row_local_by_default():
+    # TF Addons' LazyAdam: a row not named keeps its value and its moments
+    param = np.zeros((2, 1))
+    state = T.apply_gradient(T.AdamTransform(0.1), param, None, "rows", (np.array([0]), np.array([[1.0]])))
+    after_first = param.copy()
+    state = T.apply_gradient(T.AdamTransform(0.1), param, state, "rows", (np.array([1]), np.array([[1.0]])))
+    assert param[0, 0] == after_first[0, 0] and state.m[0, 0] == pytest.approx(0.1) and state.count == 2
 
 
 def test_rows_with_lazy_sparse_off_are_a_dense_gradient():
@@ -225,6 +265,12 @@ def test_schedule_arguments_are_refused_by_name(make, message):
     with pytest.raises(ValueError) as info:
         make()
     assert str(info.value) == message
+
+
+def test_piecewise_constant_keeps_tuples_and_hashes():
+    s = S.PiecewiseConstantDecay([1, 2], [1.0, 0.5, 0.1])
+    assert s.boundaries == (1, 2) and s.values == (1.0, 0.5, 0.1)
+    assert hash(s) == hash(S.PiecewiseConstantDecay((1, 2), (1.0, 0.5, 0.1)))
 
 
 def test_a_schedule_base_class_must_be_subclassed():

@@ -50,6 +50,21 @@ def test_every_axis_in_minus_rank_to_rank_is_accepted(axis, want):
     assert P.fixed_size_partitioner(3, axis=axis)((6, 6)) == want
 
 
+def test_fixed_size_partitioner_splits_axis_0_by_default():
+    assert P.fixed_size_partitioner(3)((6, 6)) == [3, 1]
+
+
+@pytest.mark.parametrize(
+    "partition",
+    [P.fixed_size_partitioner(2, axis=3), P.min_max_variable_partitioner(2, axis=3),
+     P.variable_axis_size_partitioner(8, axis=3)],
+)
+def test_each_partition_function_names_the_shape_with_a_bad_axis(partition):
+    with pytest.raises(ValueError) as info:
+        partition((6, 6), np.float32)
+    assert str(info.value) == "axis must be an int in [-2, 2) for shape (6, 6), got 3"
+
+
 @pytest.mark.parametrize("axis", [2, -3, 1.0, True, "0", None])
 def test_an_axis_out_of_range_is_refused_with_the_shape(axis):
     with pytest.raises(ValueError) as info:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import sys
 
 import numpy as np
 import pytest
@@ -54,6 +55,48 @@ def test_is_leaf_is_asked_first_about_every_node():
     paths, leaves, _ = trees.flatten(tree, is_leaf=lambda x: asked.append(x) or isinstance(x, list))
     assert paths == [("a",), ("b", "c")] and leaves == [[1, 2], 3]
     assert asked == [tree, [1, 2], {"c": 3}, 3]
+
+
+@dataclasses.dataclass
+class ArrayRecord:
+    data: list
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self.data, dtype=dtype)
+
+
+class CpuOnly:
+    """An array type with ``cpu()`` (as some accelerators' arrays) but no ``detach``."""
+
+    def cpu(self):
+        raise AssertionError("cpu() is only for torch tensors, which also have detach()")
+
+    def __array__(self, dtype=None, copy=None):
+        return np.array([1.0, 2.0])
+
+
+def test_anything_with_array_is_a_leaf_even_a_dataclass():
+    rec = ArrayRecord([1, 2])
+    assert trees.is_array(rec)
+    paths, leaves, _ = trees.flatten({"r": rec})
+    assert paths == [("r",)] and leaves == [rec]
+
+
+def test_to_numpy_calls_cpu_only_on_what_also_detaches():
+    assert trees.to_numpy(CpuOnly()).tolist() == [1.0, 2.0]
+
+
+def test_without_keras_imported_an_object_is_still_a_leaf(monkeypatch):
+    for name in ("keras", "torch", "jax"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    obj = object()
+    assert trees.flatten([obj])[1] == [obj]
+
+
+def test_a_structure_missing_a_path_of_the_same_length_is_named():
+    with pytest.raises(ValueError) as info:
+        trees.match([("a",), ("c",)], [("a",), ("a",)], "grads", "variables")
+    assert str(info.value) == "grads must have the structure of variables: variables has 'c', which grads lacks"
 
 
 def test_describe_names_a_path_or_the_root():
@@ -144,6 +187,26 @@ def test_a_jax_pytree_is_split_as_jax_splits_it():
     assert paths == [("box", "a", 0), ("box", "a", 1), ("box", "b")] and leaves == [1, 2, 3]
     new = rebuild([4, 5, 6])["box"]
     assert type(new) is Box and new.a == [4, 5] and new.b == 6
+
+
+def test_a_jax_node_with_one_child_is_still_split():
+    jax = pytest.importorskip("jax")
+
+    @jax.tree_util.register_pytree_with_keys_class
+    class One:
+        def __init__(self, a):
+            self.a = a
+
+        def tree_flatten_with_keys(self):
+            return ((jax.tree_util.GetAttrKey("a"), self.a),), None
+
+        @classmethod
+        def tree_unflatten(cls, aux, children):
+            return cls(*children)
+
+    paths, leaves, rebuild = trees.flatten({"one": One(3)})
+    assert paths == [("one", "a")] and leaves == [3]
+    assert rebuild([4])["one"].a == 4
 
 
 def test_jax_keys_by_kind():

@@ -63,6 +63,41 @@ def test_integer_scatter_div_truncates_toward_zero_for_every_sign():
     assert arr.tolist() == [3, -3, -3, 3, -2]  # 9 / 2 = 4, then 4 / -2 = -2
 
 
+def test_integer_scatter_div_is_exact_beyond_float_precision():
+    arr = np.array([2**62 + 1, -(2**62) - 3, 7], np.int64)
+    payload = U.check_update(arr.shape, arr.dtype, "w", "scatter_div", ([0, 1, 2], np.array([1, 2, -7], np.int64)))
+    U.apply_update(arr, "scatter_div", payload)
+    assert arr.tolist() == [2**62 + 1, -(2**61) - 1, -1]
+
+
+@pytest.mark.parametrize("op, vals", [("scatter_div", [0.0, 0.0]), ("scatter_mul", [1e308, 1e308]),
+                                      ("scatter_add", [1e308, 1e308])])
+def test_float_scatter_overflow_and_division_by_zero_are_silent(op, vals):
+    import warnings
+
+    arr = np.array([1.0, 1e308, 0.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        U.apply_update(arr, op, U.check_update(arr.shape, arr.dtype, "w", op, ([0, 1], vals)))
+    assert np.isinf(arr[1])
+
+
+def test_a_float_variable_into_an_integer_one_is_refused_as_a_cast():
+    sl = IndexedSlices(np.ones((1, 2)), [1], dense_shape=(3, 2))  # whole numbers, but float64
+    with pytest.raises(TypeError) as info:
+        U.coerce_values(sl, np.dtype(np.int32), "w", "v")
+    assert str(info.value) == "v for variable 'w' must have a dtype castable to int32, got float64"
+
+
+def test_check_gradient_names_the_variable():
+    with pytest.raises(ValueError) as info:
+        U.check_gradient((3,), np.dtype(np.float32), "w", [1.0])
+    assert str(info.value) == "gradient for variable 'w' must have shape (3,), got (1,)"
+    with pytest.raises(IndexError) as info:
+        U.check_gradient((3,), np.dtype(np.float32), "w", IndexedSlices(np.ones(1), [5]))
+    assert str(info.value) == "gradient indices for variable 'w': index 5 is out of range [0, 3)"
+
+
 def test_dense_ops():
     arr = np.arange(4.0)
     U.apply_update(arr, "add", U.check_update((4,), np.float64, "w", "add", [1, 1, 1, 1]))

@@ -23,6 +23,7 @@ def test_a_buffer_of_exactly_64_kib_travels_apart_and_one_byte_less_does_not():
     exact, small = np.zeros(LIMIT, np.uint8), np.zeros(LIMIT - 1, np.uint8)
     msg = wire.pack([exact, small])
     assert len(msg) == 2 and msg[1].nbytes == LIMIT
+    assert LIMIT - 1 < len(msg[0]) < LIMIT + 1024  # the small one inside the header, the large one not
     a, b = wire.unpack(msg)
     assert a.shape == (LIMIT,) and b.shape == (LIMIT - 1,)
 
@@ -126,6 +127,20 @@ def test_the_search_stops_six_levels_down():
 
 def test_an_unpicklable_thing_with_no_parts_is_named_as_a_whole():
     assert _message(threading.Lock(), "the lock") == "cannot pickle the lock: TypeError: cannot pickle '_thread.lock' object"
+
+
+def test_the_function_cache_evicts_the_least_recently_used():
+    import cloudpickle
+
+    cache = pickling.FunctionCache(size=2)
+    blobs = [cloudpickle.dumps(lambda i=i: i) for i in range(3)]
+    a = cache.load(blobs[0])
+    b = cache.load(blobs[1])
+    cache.load(blobs[0])
+    c = cache.load(blobs[2])
+    assert len(cache) == 2
+    assert cache.load(blobs[2]) is c and cache.load(blobs[0]) is a
+    assert cache.load(blobs[1]) is not b  # evicted, so unpickled again
 
 
 def test_picklable_things_pickle():
