@@ -290,10 +290,29 @@ def test_clipvalue_and_global_clipnorm_keep_rows_as_rows():
 
 
 def test_global_clipnorm_leaves_small_and_zero_gradients_alone():
+    import warnings
+
     out = CL.clip_gradients(CL.Clipping(global_clipnorm=1.0), [("dense", np.array([0.3, 0.4]))])
     assert out[0][1].tolist() == [0.3, 0.4]
-    out = CL.clip_gradients(CL.Clipping(global_clipnorm=1.0), [("dense", np.zeros(2))])
+    out = CL.clip_gradients(CL.Clipping(global_clipnorm=2.0), [("dense", np.array([0.3, 0.4]))])
+    assert out[0][1].tolist() == [0.3, 0.4]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = CL.clip_gradients(CL.Clipping(global_clipnorm=1.0), [("dense", np.zeros(2))])
     assert out[0][1].tolist() == [0.0, 0.0]
+
+
+def test_global_clipnorm_scales_a_norm_below_one_down_to_the_clip():
+    # Keras: g * clip / max(global norm, clip); norm 0.5 over clip 0.25 halves it
+    out = CL.clip_gradients(CL.Clipping(global_clipnorm=0.25), [("dense", np.array([0.3, 0.4]))])
+    assert out[0][1].tolist() == pytest.approx([0.15, 0.2])
+
+
+def test_global_clipnorm_measures_in_float64():
+    # float16 squares overflow at 256: the norm of [300, 400] is 500 all the same
+    out = CL.clip_gradients(CL.Clipping(global_clipnorm=1.0), [("dense", np.array([300.0, 400.0], np.float16))])
+    assert out[0][1].dtype == np.float16
+    np.testing.assert_allclose(out[0][1].astype(np.float64), [0.6, 0.8], rtol=1e-3)
 
 
 def test_clipnorm_of_rows_is_over_the_values_as_given():

@@ -220,3 +220,21 @@ def test_clip_rows_of_scalars_clips_their_absolute_value():
 def test_clip_rows_leaves_a_row_at_the_norm_alone():
     row = np.array([[0.6, 0.8]], np.float64)
     assert rows.clip_rows(row, 1, 1.0).tolist() == row.tolist()
+
+
+def test_clip_rows_measures_norms_in_float64():
+    # float16 squares overflow at 256; TF's clip_by_norm of [300, 400] to norm 1 is [0.6, 0.8]
+    got = rows.clip_rows(np.array([[300.0, 400.0]], np.float16), 1, 1.0)
+    assert got.dtype == np.float16
+    np.testing.assert_allclose(got.astype(np.float64), [[0.6, 0.8]], rtol=1e-3)
+
+
+@pytest.mark.parametrize("max_norm", [1.0, 0.0])
+def test_clip_rows_of_zero_rows_warns_nothing(max_norm):
+    import warnings
+
+    found = np.array([[0.0, 0.0], [3.0, 4.0]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = rows.clip_rows(found, 1, max_norm)
+    np.testing.assert_allclose(got, _clip_reference(found, 1, max_norm))
