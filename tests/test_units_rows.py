@@ -223,7 +223,8 @@ def test_clip_rows_leaves_a_row_at_the_norm_alone():
 
 
 def test_clip_rows_measures_norms_in_float64():
-    # float16 squares overflow at 256; TF's clip_by_norm of [300, 400] to norm 1 is [0.6, 0.8]
+    # The rule, row * max_norm / ||row||, gives [0.6, 0.8]; a float16 sum of squares would overflow (to inf,
+    # and TF's float16 clip_by_norm then gives zeros): daskps measures norms in float64
     got = rows.clip_rows(np.array([[300.0, 400.0]], np.float16), 1, 1.0)
     assert got.dtype == np.float16
     np.testing.assert_allclose(got.astype(np.float64), [[0.6, 0.8]], rtol=1e-3)
