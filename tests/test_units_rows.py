@@ -26,7 +26,7 @@ def _div() -> dps.ShardedVariable:
 
 
 def _mod() -> dps.ShardedVariable:
-    return dps.ShardedVariable([dps.Variable(WHOLE[i::3]) for i in range(3)], name="t", layout="mod")
+    return dps.ShardedVariable([dps.Variable(WHOLE[i::3], name=f"t/part_{i}") for i in range(3)], name="t", layout="mod")
 
 
 B = np.array([True, False, True, True, False, False, False, True])
@@ -43,6 +43,7 @@ INDICES = [
     (B, 1), (B, slice(None), 2), (np.ones((8, 2), bool),), (True,), (True, 3), (False,), (Ellipsis,), (),
     (0, [1, 0]), (slice(0, 5), [1, 1], slice(None)), (slice(None), [True, False]), (slice(1, 4), [0, 1], [2, 0]),
     (slice(3, None, -1), 0, [2, 0]), (np.array(6), 1),
+    (Ellipsis, 5, 1, 2), (Ellipsis, -1, 0, slice(None)), (Ellipsis, np.array([[[0, 2]]])), (2, None, Ellipsis),
 ]
 
 
@@ -63,7 +64,8 @@ def test_an_index_that_is_a_variable_is_read_first():
     np.testing.assert_array_equal(_mod()[ids], WHOLE[[6, 1]])
 
 
-@pytest.mark.parametrize("index", [8, -9, [0, 8], (0, 2), (slice(None), 0, 3)], ids=["8", "-9", "list", "axis1", "axis2"])
+@pytest.mark.parametrize("index", [8, -9, [0, 8], (0, 2), (slice(None), 0, 3), [1.5], np.array(1.5)],
+                         ids=["8", "-9", "list", "axis1", "axis2", "float_list", "float_0d"])
 @pytest.mark.parametrize("make", [_div, _mod], ids=["div", "mod"])
 def test_out_of_range_is_numpys_index_error(make, index):
     with pytest.raises(IndexError):
@@ -126,6 +128,56 @@ def test_a_slice_asks_each_shard_it_crosses_for_its_own_part(reads):
 def test_a_reversed_slice_asks_the_shards_last_first(reads):
     _spied_div()[7:1:-2]  # rows 7, 5, 3
     assert _sliced(reads) == [("t/part_2", [3, 1]), ("t/part_1", [0])]
+
+
+def test_a_basic_index_is_applied_by_each_shard_so_only_the_result_travels(reads):
+    _spied_div()[2:7:2, 1, None]  # rows 2, 4, 6
+    assert [(n, i[1:]) for n, i in reads] == [("t/part_0", (1, None)), ("t/part_2", (1, None))]
+    assert _sliced(reads) == [("t/part_0", [2]), ("t/part_2", [0, 2])]
+
+
+def _spied_mod():
+    sv = _mod()
+    SHARDS[:] = sv.variables
+    return sv
+
+
+@pytest.mark.parametrize(
+    "index, want",
+    [
+        (5, {"t/part_2": [1]}),  # row r is on shard r % 3 at local row r // 3
+        ((5, 1), {"t/part_2": [1]}),
+        ([7, 1, 7], {"t/part_1": [0, 2]}),
+        (slice(2, 6), {"t/part_0": [1], "t/part_1": [1], "t/part_2": [0, 1]}),
+        ((slice(2, 6), 0, slice(1, 3)), {"t/part_0": [1], "t/part_1": [1], "t/part_2": [0, 1]}),
+        (B, {"t/part_0": [0, 1], "t/part_1": [2], "t/part_2": [0]}),
+    ],
+    ids=["int", "int_int", "list", "slice", "slice_basic", "mask"],
+)
+def test_mod_shards_are_asked_only_for_the_rows_named(reads, index, want):
+    got = _spied_mod()[index]
+    np.testing.assert_array_equal(got, WHOLE[index])
+    assert _rows_asked(reads) == want
+
+
+def test_mod_with_an_advanced_index_past_axis_0_reads_the_whole(reads):
+    got = _spied_mod()[[1, 4], [0, 1]]
+    np.testing.assert_array_equal(got, WHOLE[[1, 4], [0, 1]])
+    assert sorted(n for n, i in reads) == ["t/part_0", "t/part_1", "t/part_2"] and all(i is None for _, i in reads)
+
+
+def test_plan_rows_names_indices_by_default():
+    sv = _div()
+    with pytest.raises(IndexError) as info:
+        rows.plan_rows(sv.variables, sv.row_offsets, [9], "t")
+    assert str(info.value) == "indices for variable 't': index 9 is out of range [0, 8)"
+
+
+def test_plan_rows_of_no_ids_on_one_shard():
+    v = dps.Variable(np.ones((3, 2), np.float16), name="one")
+    items, assemble = rows.plan_rows([v], (0, 3), np.zeros(0, np.int64), "one")
+    got = assemble([])
+    assert items == [] and got.shape == (0, 2) and got.dtype == np.float16
 
 
 def test_a_mask_reads_only_its_true_rows(reads):
