@@ -399,6 +399,8 @@ def test_build_part_cuts_the_part_from_a_whole_value():
     assert not built and got is whole
     got, built = A.build_part(whole, None, (4, 3), None, None, None)
     assert not built and got is whole
+    got, built = A.build_part(whole, None, (4, 3), None, (2, 3), None)
+    assert not built and got is whole
     got, built = A.build_part(None, lambda shape: np.ones(shape), (4, 3), None, (1, 3), (3, 0))
     assert built and got.shape == (1, 3)
 

@@ -55,13 +55,14 @@ def test_fixed_size_partitioner_splits_axis_0_by_default():
 
 
 @pytest.mark.parametrize(
-    "partition",
-    [P.fixed_size_partitioner(2, axis=3), P.min_max_variable_partitioner(2, axis=3),
-     P.variable_axis_size_partitioner(8, axis=3)],
+    "make",
+    [lambda: P.fixed_size_partitioner(2, axis=3), lambda: P.min_max_variable_partitioner(2, axis=3),
+     lambda: P.variable_axis_size_partitioner(8, axis=3)],
+    ids=["fixed", "min_max", "axis_size"],
 )
-def test_each_partition_function_names_the_shape_with_a_bad_axis(partition):
+def test_each_partition_function_names_the_shape_with_a_bad_axis(make):
     with pytest.raises(ValueError) as info:
-        partition((6, 6), np.float32)
+        make()((6, 6), np.float32)
     assert str(info.value) == "axis must be an int in [-2, 2) for shape (6, 6), got 3"
 
 

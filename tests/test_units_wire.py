@@ -51,6 +51,7 @@ def test_only_small_numeric_arrays_are_grouped():
     msg = wire.pack_grouped(small + other)
     assert _table(msg) == [(a.dtype.str, a.shape) for a in small + other[3:]]
     assert len(msg) == 4 and msg[3].nbytes == LIMIT
+    assert len(msg[0]) < LIMIT  # the large buffer is not in the header too
     got = wire.unpack_grouped(msg)
     for a, b in zip(small + other, got):
         assert a.dtype == b.dtype and a.tolist() == b.tolist()
