@@ -225,3 +225,16 @@ def test_an_unknown_object_is_a_leaf_even_with_jax_loaded():
     obj = object()
     paths, leaves, _ = trees.flatten([obj])
     assert paths == [(0,)] and leaves == [obj]
+
+
+def test_something_with_only_dlpack_is_an_array():
+    class OnlyDlpack:
+        def __dlpack__(self, *args, **kwargs):
+            return np.arange(2.0).__dlpack__(*args, **kwargs)
+
+        def __dlpack_device__(self):
+            return np.arange(2.0).__dlpack_device__()
+
+    assert trees.is_array(OnlyDlpack())
+    assert not trees.is_array([1.0]) and not trees.is_array(object())
+    assert trees.to_numpy(OnlyDlpack()).tolist() == [0.0, 1.0]
