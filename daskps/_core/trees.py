@@ -73,11 +73,14 @@ def to_numpy(x: Any) -> np.ndarray:
     if callable(detach) and hasattr(x, "cpu"):
         x = detach().cpu()
     try:
-        return np.asarray(x)
+        arr = np.asarray(x)
     except Exception:
         if hasattr(x, "__dlpack__"):
             return np.from_dlpack(x)
         raise
+    if arr.dtype == object and arr.ndim == 0 and hasattr(x, "__dlpack__"):
+        return np.from_dlpack(x)  # no __array__: numpy wrapped the object itself
+    return arr
 
 
 def _flatten(node: Any, path: Path, paths: list[Path], leaves: list[Any],
