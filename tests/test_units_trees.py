@@ -238,3 +238,8 @@ def test_something_with_only_dlpack_is_an_array():
     assert trees.is_array(OnlyDlpack())
     assert not trees.is_array([1.0]) and not trees.is_array(object())
     assert trees.to_numpy(OnlyDlpack()).tolist() == [0.0, 1.0]
+
+
+def test_to_numpy_of_other_objects_is_numpys_asarray():
+    got = trees.to_numpy([None, 1])
+    assert got.dtype == object and got.tolist() == [None, 1]

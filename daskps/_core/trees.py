@@ -78,7 +78,7 @@ def to_numpy(x: Any) -> np.ndarray:
         if hasattr(x, "__dlpack__"):
             return np.from_dlpack(x)
         raise
-    if arr.dtype == object and arr.ndim == 0 and hasattr(x, "__dlpack__"):
+    if arr.dtype == object and hasattr(x, "__dlpack__"):
         return np.from_dlpack(x)  # no __array__: numpy wrapped the object itself
     return arr
 
