@@ -69,3 +69,23 @@ def test_security_true_makes_a_temporary_authority():
 def test_security_must_be_a_security_object():
     with pytest.raises(TypeError, match="security must be a distributed.Security"):
         dps.LocalPSCluster(num_ps=1, num_workers=1, security="yes")
+
+
+def test_a_tls_cluster_trains_while_another_clusters_client_is_current(client):
+    """Another cluster's client entered as the current one (``with Client(...)``, the session fixture's):
+    the strategy's servers still talk through the TLS cluster's own client. They were bound to the current
+    client, whose plain-TCP scheduler cannot reach a TLS worker ("TLS expects a ssl_context ...")."""
+    from distributed import default_client
+
+    assert default_client() is client  # the other cluster's client is the current one
+    with dps.LocalPSCluster(num_ps=1, num_workers=1, security=True) as cluster:
+        assert cluster.scheduler_address.startswith("tls://")
+        strategy = dps.ParameterServerStrategy(cluster)
+        coordinator = dps.ClusterCoordinator(strategy)
+        with strategy.scope():
+            w = dps.Variable(np.zeros(3, np.float32), name="w")
+        for _ in range(5):
+            coordinator.schedule(lambda: w.assign_add(np.ones(3, np.float32)))
+        coordinator.join()
+        np.testing.assert_array_equal(w.numpy(), np.full(3, 5.0, np.float32))
+        strategy.close()

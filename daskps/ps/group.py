@@ -90,7 +90,8 @@ class ServerGroup:
         self.generation = 0  # servers re-created so far
         self._lock = threading.Lock()  # replace() (in the recovery thread) against close()
         self._futures = [self._submit(i, addr) for i, (_, addr) in enumerate(ps_workers)]
-        channels = [fut.result().channel for fut in self._futures]
+        with self.client.as_current():  # the actors talk through this client, not whichever is current
+            channels = [fut.result().channel for fut in self._futures]
         self.servers = [ServerRef(addr, str(fut.key), i, ch)
                         for i, ((_, addr), fut, ch) in enumerate(zip(ps_workers, self._futures, channels))]
         _GROUPS[self.token] = self
@@ -113,7 +114,8 @@ class ServerGroup:
         self.generation += 1
         future = self._submit(task_id, worker[1])
         try:
-            channel = future.result(timeout=timeout).channel
+            with self.client.as_current():
+                channel = future.result(timeout=timeout).channel
         except Exception as exc:
             future.release()
             raise PSUnavailableError(f"parameter server ps:{task_id} was lost, and starting it again on "
