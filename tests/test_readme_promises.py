@@ -26,7 +26,7 @@ import daskps as dps
 from daskps.distribute.cluster import cluster_workers
 from daskps.errors import RollbackWarning
 
-from .conftest import kill_worker, worker_address
+from .conftest import kill_worker, two_ps_training, worker_address
 
 
 # -- what schedule pickles, and when ----------------------------------------------------------------------
@@ -159,12 +159,7 @@ def test_a_ps_gone_for_good_is_recreated_on_the_least_loaded_ps_worker(tmp_path)
     least loaded.  Here ps-0 is gone for good; ps-1 holds a server of the strategy and ``zz-spare`` (a ps
     worker that joined later, last by name) holds none: the new server goes to zz-spare."""
     with dps.LocalPSCluster(num_ps=2, num_workers=1) as cluster, cluster.get_client() as client:
-        strategy = dps.ParameterServerStrategy(client)
-        with strategy.scope():
-            a = dps.Variable(0.0, name="a")  # ps-0
-            b = dps.Variable(0.0, name="b")  # ps-1
-        manager = dps.CheckpointManager(dps.Checkpoint(a=a, b=b), str(tmp_path))
-        coordinator = dps.ClusterCoordinator(strategy, checkpoint_manager=manager)
+        strategy, a, b, manager, coordinator, _ = two_ps_training(client, tmp_path)  # a on ps-0, b on ps-1
         a.assign(1.0)
         manager.save()
         spare = subprocess.Popen(
