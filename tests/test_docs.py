@@ -128,6 +128,43 @@ def test_every_python_block_of_the_page_runs_in_order(page, tmp_path, monkeypatc
             console.wait(30)
 
 
+def _free_names(source: str) -> set[str]:
+    """Names ``source`` reads that it neither defines nor imports (nor are builtins)."""
+    import builtins
+    import symtable
+
+    top = symtable.symtable(source, "<block>", "exec")
+    defined = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported() or s.is_namespace()}
+    used: set[str] = set()
+
+    def walk(table: symtable.SymbolTable) -> None:
+        for symbol in table.get_symbols():
+            if symbol.is_referenced() and (table is top or symbol.is_global()):
+                used.add(symbol.get_name())
+        for child in table.get_children():
+            walk(child)
+
+    walk(top)
+    return used - defined - set(dir(builtins)) - {"__name__", "__file__"}
+
+
+PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+
+
+@pytest.mark.parametrize("page", ["README.md", *(f"docs/{p}" for p in _pages())])
+def test_a_block_that_starts_with_imports_runs_on_its_own(page):
+    """A block that opens with imports reads as a script of its own: a reader copies it into a file, so it
+    may use nothing the page's earlier blocks defined (the page test shares one namespace and cannot see
+    that). A block that does continue says so on its first line (``# continues ...``)."""
+    for i, block in enumerate(PYTHON_BLOCK.findall((ROOT / page).read_text())):
+        lines = [line for line in block.splitlines() if line.strip()]
+        if not lines or lines[0].startswith("# continues"):
+            continue
+        first = next((line for line in lines if not line.lstrip().startswith("#")), "")
+        if first.startswith(("import ", "from ")):
+            assert not _free_names(block), f"{page}, python block {i + 1}: {sorted(_free_names(block))} undefined"
+
+
 def test_every_page_with_code_has_python_blocks_that_ran():
     """The parametrization above is every page with a ```python block; the others hold none by design."""
     assert {"getting-started.md", "user-guide/checkpoints.md", "howto/cluster.md"} <= set(PAGES_WITH_PYTHON)
