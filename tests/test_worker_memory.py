@@ -75,8 +75,8 @@ def test_the_heartbeat_failure_of_a_closing_worker_is_not_logged_while_a_running
         quiet = _QuietHeartbeatAtClose()
         assert quiet.filter(failed)  # no daskps worker here: Dask's message as it is
         async with Scheduler(host="127.0.0.1", port=0, dashboard_address="127.0.0.1:0") as s:
-            a = await Worker(s.address, host="127.0.0.1", nthreads=1)
-            b = await Worker(s.address, host="127.0.0.1", nthreads=1)
+            a = await Worker(s.address, host="127.0.0.1", dashboard_address="127.0.0.1:0", nthreads=1)
+            b = await Worker(s.address, host="127.0.0.1", dashboard_address="127.0.0.1:0", nthreads=1)
             quiet.workers.update([a, b])
             assert quiet.filter(failed) and quiet.filter(other)  # running: shown
             await a.close()
