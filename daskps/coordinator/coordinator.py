@@ -50,7 +50,6 @@ import cloudpickle
 import dask.config
 from distributed import Client, as_completed
 
-from daskps._core.nest import map_structure
 from daskps._core.pickling import dumps_or_explain
 from daskps.coordinator import recovery
 from daskps.coordinator.batches import BIG, ERROR, load_error, run_batch
@@ -98,27 +97,25 @@ def _checked_staleness(k: Any) -> int:
     return int(k)
 
 
-def _refuse_remote_values(structure: Any, arg: str) -> None:
-    def check(x: Any) -> None:
-        if isinstance(x, RemoteValue):
+def _refuse_bad_arguments(structure: Any, arg: str) -> None:
+    """One walk over ``args`` or ``kwargs`` (nested lists, tuples and dicts): a ``RemoteValue`` is refused
+    (fetch it first), and so is a ``PerWorkerDataset`` (pass ``iter(dataset)``: a dataset does not pickle)."""
+    def walk(value: Any, where: str) -> None:
+        if isinstance(value, RemoteValue):
             raise ValueError(
                 f"{arg} contains a RemoteValue; using the output of one scheduled "
                 "function as input of another is not supported: fetch() it first"
             )
+        if isinstance(value, PerWorkerDataset):
+            raise TypeError(
+                f"{where} is a PerWorkerDataset; pass iter(dataset) instead: a scheduled function takes "
+                "its iterator, and next(iterator) inside the function gives that trainer's next element"
+            )
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+        for key, item in items:
+            walk(item, f"{where}[{key!r}]")
 
-    map_structure(check, structure)
-
-
-def _refuse_datasets(value: Any, where: str) -> None:
-    """A PerWorkerDataset among the arguments: say to pass ``iter(dataset)`` (it does not pickle)."""
-    if isinstance(value, PerWorkerDataset):
-        raise TypeError(
-            f"{where} is a PerWorkerDataset; pass iter(dataset) instead: a scheduled function takes "
-            "its iterator, and next(iterator) inside the function gives that trainer's next element"
-        )
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
-    for key, item in items:
-        _refuse_datasets(item, f"{where}[{key!r}]")
+    walk(structure, arg)
 
 
 # Functions are pickled once, at their first schedule (as Dask does with the functions it
@@ -316,10 +313,8 @@ class ClusterCoordinator:
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
         args = _checked(args, (list, tuple), "args", "a tuple or list", ())
         kwargs = _checked(kwargs, dict, "kwargs", "a dict", {})
-        _refuse_remote_values(args, "args")
-        _refuse_remote_values(kwargs, "kwargs")
-        _refuse_datasets(list(args), "args")
-        _refuse_datasets(kwargs, "kwargs")
+        _refuse_bad_arguments(args, "args")
+        _refuse_bad_arguments(kwargs, "kwargs")
         k = self._staleness if staleness is None else _checked_staleness(staleness)
         self._strategy.check_open("coordinator.schedule")
         self._raise_pending_error()
