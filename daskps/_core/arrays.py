@@ -13,6 +13,7 @@ array([0, 0], dtype=int8)
 from __future__ import annotations
 
 import inspect
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,6 +39,15 @@ def default_array(value: Any, arg: str = "value") -> np.ndarray:
     if arr.dtype.kind not in "biufc":
         raise TypeError(f"{arg} must be numeric, got dtype {arr.dtype} from {type(value).__name__}")
     return arr
+
+
+def is_int(value: Any) -> bool:
+    """Whether ``value`` is a whole number: a Python or numpy integer, not a bool (nor numpy's).
+
+    >>> is_int(3), is_int(np.int64(3)), is_int(True), is_int(3.0)
+    (True, True, False, False)
+    """
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def check_trainable_flag(trainable: Any) -> bool:

@@ -37,7 +37,6 @@ import contextlib
 import functools
 import itertools
 import math
-import numbers
 import pickle
 import threading
 import time
@@ -50,6 +49,7 @@ import cloudpickle
 import dask.config
 from distributed import Client, as_completed
 
+from daskps._core.arrays import is_int
 from daskps._core.pickling import dumps_or_explain
 from daskps.coordinator import recovery
 from daskps.coordinator.batches import BIG, ERROR, load_error, run_batch
@@ -92,7 +92,7 @@ class _Closure:
 
 
 def _checked_staleness(k: Any) -> int:
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+    if not is_int(k) or k < 0:
         raise ValueError(f"staleness must be a whole number of steps >= 0 (0: none), got {k!r}")
     return int(k)
 

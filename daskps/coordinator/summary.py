@@ -19,6 +19,7 @@ import time
 import warnings
 from typing import Any
 
+from daskps._core.arrays import is_int
 from daskps.coordinator.coordinator import ClusterCoordinator
 from daskps.ps.plugin import METRICS_TOPIC
 
@@ -84,7 +85,7 @@ class ScalarLogger:
                  every_n_steps: int = 100, examples_per_step: float | None = None, interval: float = 0.2):
         if not isinstance(coordinator, ClusterCoordinator):
             raise TypeError(f"coordinator must be a ClusterCoordinator, got {type(coordinator).__name__}")
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, numbers.Integral) or every_n_steps < 1:
+        if not is_int(every_n_steps) or every_n_steps < 1:
             raise ValueError(f"every_n_steps must be a positive integer, got {every_n_steps!r}")
         if examples_per_step is not None and (isinstance(examples_per_step, bool) or not isinstance(
                 examples_per_step, numbers.Real) or not examples_per_step > 0):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import numbers
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -23,6 +22,8 @@ from typing import Any
 import dask.config
 import numpy as np
 from distributed import Future, futures_of, worker_client
+
+from daskps._core.arrays import is_int
 
 __all__ = ["Batcher", "DaskInput", "from_dask", "one_pass", "partition_futures", "read_partition", "rows_per_partition",
            "slice_rows", "take_rows", "unpublish_later"]
@@ -109,11 +110,11 @@ def from_dask(collection: Any, batch_size: int, *, shuffle: bool = False, seed: 
     for part, label in zip(parts, labels):
         _check_part(part, label)
     _check_aligned(parts, labels)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size <= 0:
+    if not is_int(batch_size) or batch_size <= 0:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, numbers.Integral) or epochs < 1):
+    if epochs is not None and (not is_int(epochs) or epochs < 1):
         raise ValueError(f"epochs must be an integer >= 1 or None (repeat forever), got {epochs!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
+    if seed is not None and (not is_int(seed)):
         raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
     for arg, flag in (("shuffle", shuffle), ("drop_remainder", drop_remainder), ("exactly_once", exactly_once)):
         if not isinstance(flag, (bool, np.bool_)):

@@ -26,11 +26,12 @@ so every shape and dtype gets the same answer. String dtypes count
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+
+from daskps._core.arrays import is_int
 
 __all__ = [
     "FixedShardsPartitioner",
@@ -61,7 +62,7 @@ def as_shape(shape: Any, arg: str = "shape") -> tuple[int, ...]:
         raise ValueError(f"{arg} must be a tuple of ints, got {shape!r}") from None
     if any(d is None for d in dims):
         raise ValueError(f"{arg} must be fully defined, got {shape!r}")
-    if any(isinstance(d, (bool, np.bool_)) or not isinstance(d, numbers.Integral) for d in dims):
+    if any(not is_int(d) for d in dims):
         raise ValueError(f"{arg} must be a tuple of ints, got {shape!r}")
     if any(d < 0 for d in dims):
         raise ValueError(f"{arg} must not have negative dimensions, got {shape!r}")
@@ -231,7 +232,7 @@ def div_offsets(rows: int, num_shards: int) -> list[int]:
     >>> div_offsets(13, 5)
     [0, 3, 6, 9, 11, 13]
     """
-    if isinstance(rows, (bool, np.bool_)) or not isinstance(rows, numbers.Integral) or rows < 0:
+    if not is_int(rows) or rows < 0:
         raise ValueError(f"rows must be an int >= 0, got {rows!r}")
     _positive(num_shards, "num_shards")
     base, extra = divmod(int(rows), int(num_shards))

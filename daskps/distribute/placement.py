@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import numbers
 import uuid
 import warnings
 from typing import Any, cast
@@ -23,7 +22,7 @@ from typing import Any, cast
 import dask.config
 import numpy as np
 
-from daskps._core.arrays import call_initializer, default_array
+from daskps._core.arrays import call_initializer, default_array, is_int
 from daskps.distribute.partitioners import div_offsets
 from daskps.ps import ops, protocol, refs
 from daskps.ps.routing import ServerRef
@@ -130,7 +129,7 @@ def num_partitions(partitioner: Any, shape: tuple, dtype: np.dtype) -> int:
     except TypeError:
         entries = []
     # Only true ints: int() would quietly turn 1.5 into 1 and "2" into 2.
-    counts = [int(x) for x in entries if isinstance(x, numbers.Integral) and not isinstance(x, bool)]
+    counts = [int(x) for x in entries if is_int(x)]
     if not counts or len(counts) != len(entries) or counts[0] < 1 or any(c != 1 for c in counts[1:]):
         raise ValueError(
             "variable_partitioner must return a list of ints [num_shards >= 1, 1, 1, ...] "

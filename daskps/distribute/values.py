@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import numbers
 from typing import Any
+
+from daskps._core.arrays import is_int
 
 __all__ = ["InputContext", "InputOptions", "ReduceOp", "RunOptions", "ValueContext"]
 
 
 def _check_count(value: Any, arg: str, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if not is_int(value):
         raise TypeError(f"{arg} must be an int >= {low}, got {type(value).__name__}")
     if value < low:
         raise ValueError(f"{arg} must be an int >= {low}, got {value!r}")

@@ -47,6 +47,7 @@ import fsspec
 import numpy as np
 
 from daskps._core import ckpt_io
+from daskps._core.arrays import is_int
 from daskps.ps import protocol
 from daskps.ps.hash_table import SAVED_TENSORS, HashRestoreSpec
 from daskps.ps.plugin import CHECKPOINT_TOPIC
@@ -521,7 +522,7 @@ def _positive_int_or_none(value: Any, arg: str) -> int | None:
     """``value`` if it is None or an int >= 1: ``TypeError`` for another type, ``ValueError`` below 1."""
     if value is None:
         return None
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+    if not is_int(value):
         raise TypeError(f"{arg} must be a positive int or None, got {type(value).__name__}")
     if value < 1:
         raise ValueError(f"{arg} must be a positive int or None, got {value!r}")

@@ -39,6 +39,7 @@ import fsspec
 import numpy as np
 from distributed import get_client, get_worker
 
+from daskps._core.arrays import is_int
 from daskps.distribute.cluster import cluster_workers
 from daskps.distribute.dask_data import (
     DaskInput,
@@ -221,7 +222,7 @@ def _checked_args(checkpoint_dir: Any, until: Any, max_evaluations: Any, poll_in
     for arg, count in (("until", until), ("max_evaluations", max_evaluations)):
         if count is None:
             continue
-        if isinstance(count, (bool, np.bool_)) or not isinstance(count, numbers.Integral):
+        if not is_int(count):
             raise TypeError(f"{arg} must be a positive int or None, got {type(count).__name__}")
         if count < 1:
             raise ValueError(f"{arg} must be a positive int or None, got {count!r}")
