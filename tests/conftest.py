@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
+from _pytest.doctest import DoctestItem
 from distributed import Client
 
 # Keras 3 runs on JAX in the tests (its default backend, TensorFlow, is not installed); worker
@@ -25,6 +27,57 @@ from daskps.distribute.cluster import cluster_workers
 
 # tests/data holds generated fixtures and the script (needing TensorFlow) that makes them.
 collect_ignore_glob = ["data/*"]
+
+
+# -- `pytest --in-process`: the tests that start no cluster and no process (mutation testing's selection)
+
+_CLUSTER_FIXTURES = {"cluster", "client", "strategy", "coordinator", "fresh_cluster"}
+# What in a test's or a fixture's source starts a cluster (in this process too) or another process.
+_STARTS_PROCESSES = ("LocalPSCluster", "Client(", "Scheduler(", "Worker(", "dask_cli_cluster", "subprocess", "Popen", "two_ps_training",
+                     "sys.executable", "nbclient", "playwright", "sphinx", "sybil")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--in-process", action="store_true",
+                     help="run only the tests that start no cluster and no other process")
+
+
+def _starts_processes(fn, seen=None) -> bool:
+    """Whether ``fn``, or a function of its module that it calls, starts a cluster or a process."""
+    seen = set() if seen is None else seen
+    if fn in seen:
+        return False
+    seen.add(fn)
+    try:
+        source = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return False
+    if any(word in source for word in _STARTS_PROCESSES):
+        return True
+    module = inspect.getmodule(fn)
+    helpers = [getattr(module, name, None) for name in getattr(fn, "__code__", None) and fn.__code__.co_names or ()]
+    return any(_starts_processes(h, seen) for h in helpers
+               if inspect.isfunction(h) and inspect.getmodule(h) is module)
+
+
+def _in_process(item) -> bool:
+    if isinstance(item, DoctestItem):
+        return True
+    if not isinstance(item, pytest.Function) or _CLUSTER_FIXTURES & set(item.fixturenames):
+        return False
+    if _starts_processes(item.function):
+        return False
+    manager = item.session._fixturemanager
+    return not any(_starts_processes(d.func) for name in item.fixturenames
+                   for d in manager.getfixturedefs(name, item) or () if d.baseid)
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--in-process"):
+        return
+    keep = [item for item in items if _in_process(item)]
+    config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+    items[:] = keep
 
 
 @pytest.fixture(scope="session")

@@ -70,3 +70,36 @@ def test_the_first_of_two_errors_is_raised(client, coordinator, how):
     with pytest.raises(TypeError) as second:
         late.fetch()
     assert (str(first.value), str(second.value)) == (FIRST, SECOND)
+
+
+def test_a_failed_recovery_after_a_function_error_leaves_the_first_error_to_raise(fresh_cluster, tmp_path):
+    """A function fails; then every parameter server is lost for good and the recovery fails too. join()
+    raises the function's error, the first one; the recovery's is ``last_error``."""
+    import dask.config
+
+    import daskps as dps
+    from daskps.errors import PSUnavailableError
+
+    from .conftest import kill_worker
+
+    cluster, client = fresh_cluster
+    strategy = dps.ParameterServerStrategy(client)
+    with strategy.scope():
+        a = dps.Variable(0.0, name="a")
+    manager = dps.CheckpointManager(dps.Checkpoint(a=a), str(tmp_path))
+    coordinator = dps.ClusterCoordinator(strategy, checkpoint_manager=manager)
+    coordinator.schedule(_fail_first)
+    _wait_for_failures(coordinator, 1)
+    assert isinstance(coordinator.last_error, ValueError)
+    with dask.config.set({"daskps.recovery-timeout": "2s"}):
+        for name in ("ps-0", "ps-1"):  # gone for good: the nanny does not start them again
+            cluster.workers[name].close_gracefully(reason="test: gone for good")
+            kill_worker(client, name)
+        deadline = time.monotonic() + 60
+        while not isinstance(coordinator.last_error, PSUnavailableError):  # the recovery failed, after the error
+            assert time.monotonic() < deadline, f"no failed recovery: {coordinator.last_error!r}"
+            time.sleep(0.05)
+    with pytest.raises(ValueError) as info:
+        coordinator.join()
+    assert type(info.value) is ValueError and str(info.value) == FIRST
+    assert not coordinator.recoveries

@@ -213,6 +213,39 @@ def test_a_ps_gone_for_good_is_recreated_on_another_ps_worker(fresh_cluster, tmp
     assert "task:0" in a.device
 
 
+def _mark_ran(name):
+    from distributed import Event
+
+    Event(name).set()
+
+
+def test_functions_scheduled_during_a_recovery_wait_for_it(fresh_cluster, tmp_path):
+    """While lost servers are re-created, nothing queued goes out, not even a function that touches none."""
+    import uuid
+
+    import dask.config
+    from distributed import Event
+
+    from daskps.coordinator.recovery import RecoveryState
+
+    cluster, client = fresh_cluster
+    strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path, saved_after=1)
+    ran = f"daskps-ran-during-recovery-{uuid.uuid4().hex}"
+    with dask.config.set({"daskps.recovery-same-worker-wait": "6s"}):  # waits 6 s for ps-0 before moving it
+        _kill_for_good(cluster, client, "ps-0")
+        deadline = time.monotonic() + 60
+        while coordinator.recovery_state is not RecoveryState.RECOVERING:
+            assert time.monotonic() < deadline, "no recovery began"
+            time.sleep(0.02)
+        coordinator.schedule(_mark_ran, args=(ran,))
+        ran_early = Event(ran, client=client).wait(2)
+        assert coordinator.recovery_state is RecoveryState.RECOVERING, "the recovery ended too soon to tell"
+        assert not ran_early, "a function went out while the servers were being recovered"
+        with pytest.warns(RollbackWarning, match="ps:0"):
+            coordinator.join()
+    assert Event(ran, client=client).is_set() and coordinator.recoveries
+
+
 def test_no_ps_worker_in_time_fails_join_with_a_clear_error(fresh_cluster, tmp_path):
     import dask.config
 
