@@ -1,0 +1,167 @@
+"""Checkpoints of variables in this process: optimizer slots and step counts, resharding between row
+layouts, embedding tables, progress, and the refusals, against numpy written from the rules."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import daskps as dps
+
+FULL = np.arange(14, dtype=np.float32).reshape(7, 2)
+
+
+def _adam_numpy(p, grads, lr=0.1, b1=0.9, b2=0.999, eps=1e-7):
+    """Keras 3's Adam, step by step."""
+    m = v = np.zeros_like(p)
+    for t, g in enumerate(grads, start=1):
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        alpha = lr * np.sqrt(1 - b2**t) / (1 - b1**t)
+        p = p - alpha * m / (np.sqrt(v) + eps)
+    return p
+
+
+def test_adam_resumes_from_its_saved_slots_and_step_count(tmp_path):
+    w = dps.Variable(np.array([1.0, -2.0], np.float32), name="w")
+    opt = dps.optimizers.Adam(0.1)
+    ckpt = dps.Checkpoint(w=w, opt=opt)
+    grads = [np.array([0.5, -1.0], np.float32), np.array([1.0, 2.0], np.float32), np.array([-0.3, 0.1], np.float32)]
+    for g in grads[:2]:
+        opt.apply([g], [w])
+    path = ckpt.write(str(tmp_path / "c"))
+    for _ in range(4):  # moves, slots and count all go on
+        opt.apply([np.ones(2, np.float32)], [w])
+    ckpt.read(path)
+    assert int(opt.iterations.numpy()) == 2
+    opt.apply([grads[2]], [w])
+    np.testing.assert_allclose(w.numpy(), _adam_numpy(np.array([1.0, -2.0]), grads), rtol=1e-5)
+
+
+def test_momentum_slots_follow_rows_into_another_sharding(tmp_path):
+    """Saved from 2 shards by blocks, restored into 3 shards by blocks and into 3 shards by row mod 3."""
+    lr, mu = 0.1, 0.9
+    saved = dps.ShardedVariable(dps.create_partitioned_variables((7, 2), [2, 1], FULL, name="e"), name="e")
+    opt = dps.optimizers.SGD(lr, momentum=mu)
+    g = np.linspace(-1, 1, 14, dtype=np.float32).reshape(7, 2)
+    opt.apply([g], [saved])
+    path = dps.Checkpoint(e=saved, opt=opt).write(str(tmp_path / "c"))
+    m1 = -lr * g
+    want = FULL + m1 + (mu * m1 - lr * g)  # one more step after the restore
+    blocks = dps.ShardedVariable(dps.create_partitioned_variables((7, 2), [3, 1], np.zeros((7, 2), np.float32),
+                                                                   name="e"), name="e")
+    by_mod = dps.ShardedVariable([dps.Variable(np.zeros((len(range(i, 7, 3)), 2), np.float32), name=f"e/part_{i}")
+                                  for i in range(3)], name="e", layout="mod")
+    for target in (blocks, by_mod):
+        other = dps.optimizers.SGD(lr, momentum=mu)
+        dps.Checkpoint(e=target, opt=other).read(path)
+        np.testing.assert_array_equal(target.numpy(), FULL + m1)
+        other.apply([g], [target])
+        np.testing.assert_allclose(target.numpy(), want, rtol=1e-6)
+    np.testing.assert_allclose(by_mod.variables[1].numpy(), want[1::3], rtol=1e-6)
+    # And back: saved by row mod 3, restored by blocks of 2.
+    path2 = dps.Checkpoint(e=by_mod).write(str(tmp_path / "c2"))
+    two = dps.ShardedVariable(dps.create_partitioned_variables((7, 2), [2, 1], np.zeros((7, 2), np.float32),
+                                                                name="e"), name="e")
+    dps.Checkpoint(e=two).read(path2)
+    np.testing.assert_allclose(two.numpy(), want, rtol=1e-6)
+    np.testing.assert_allclose(two.variables[1].numpy(), want[4:], rtol=1e-6)
+
+
+def test_a_mod_layout_restores_into_the_same_mod_layout(tmp_path):
+    parts = [dps.Variable(FULL[i::2].copy(), name=f"e/part_{i}") for i in range(2)]
+    src = dps.ShardedVariable(parts, name="e", layout="mod")
+    np.testing.assert_array_equal(src.numpy(), FULL)
+    path = dps.Checkpoint(e=src).write(str(tmp_path / "c"))
+    dst = dps.ShardedVariable([dps.Variable(np.zeros_like(FULL[i::2]), name=f"e/part_{i}") for i in range(2)],
+                              name="e", layout="mod")
+    dps.Checkpoint(e=dst).read(path)
+    np.testing.assert_array_equal(dst.numpy(), FULL)
+    np.testing.assert_array_equal(dst.variables[0].numpy(), FULL[0::2])
+
+
+def _zeros(shape, dtype):
+    return np.zeros(shape, dtype)
+
+
+def test_an_embedding_table_round_trips_with_its_keys_and_adagrad_slots(tmp_path):
+    table = dps.EmbeddingTable(2, initializer=_zeros, name="t")
+    opt = dps.optimizers.Adagrad(0.5, initial_accumulator_value=0.1)
+    keys = np.array([5, 9, 5], np.int64)
+    dps.embedding_lookup(table, keys)
+    opt.apply([dps.IndexedSlices(np.ones((3, 2), np.float32), keys)], [table])
+    path = dps.Checkpoint(t=table, opt=opt).write(str(tmp_path / "c"))
+    after_one = dps.embedding_lookup(table, np.array([5, 9]))
+    fresh = dps.EmbeddingTable(2, initializer=_zeros, name="t")
+    other = dps.optimizers.Adagrad(0.5, initial_accumulator_value=0.1)
+    dps.Checkpoint(t=fresh, opt=other).read(path)
+    np.testing.assert_array_equal(dps.embedding_lookup(fresh, np.array([5, 9])), after_one)
+    other.apply([dps.IndexedSlices(np.ones((1, 2), np.float32), np.array([9]))], [fresh])
+    # Adagrad: acc = 0.1 + 1 + 1, p -= 0.5 * g / sqrt(acc)  (key 9 had gradient 1, then 1 again)
+    acc = 0.1 + 1.0
+    p = -0.5 / np.sqrt(acc + 1e-7)
+    acc += 1.0
+    p -= 0.5 / np.sqrt(acc + 1e-7)
+    np.testing.assert_allclose(dps.embedding_lookup(fresh, np.array([9]))[0], [p, p], rtol=1e-5)
+
+
+def test_a_table_is_not_restored_from_what_is_not_a_table_like_it(tmp_path):
+    v = dps.Variable(np.zeros((3, 2), np.float32), name="t")
+    var_path = dps.Checkpoint(t=v).write(str(tmp_path / "v"))
+    table = dps.EmbeddingTable(2, initializer=_zeros, name="t")
+    dps.embedding_lookup(table, np.array([1]))
+    table_path = dps.Checkpoint(t=table).write(str(tmp_path / "t"))
+    with pytest.raises(ValueError, match=r"t: the checkpoint lacks t/\.ATTRIBUTES/keys.* \(not saved from an "
+                                         r"EmbeddingTable\)|t: the checkpoint lacks"):
+        dps.Checkpoint(t=dps.EmbeddingTable(2, initializer=_zeros, name="t")).read(var_path)
+    with pytest.raises(ValueError, match=r"t: checkpoint has rows of \[2\], embedding table has dim 3"):
+        dps.Checkpoint(t=dps.EmbeddingTable(3, initializer=_zeros, name="t")).read(table_path)
+    with pytest.raises(ValueError, match=r"t: checkpoint has dtype float32, embedding table has float64"):
+        dps.Checkpoint(t=dps.EmbeddingTable(2, initializer=_zeros, dtype=np.float64, name="t")).read(table_path)
+
+
+def test_progress_shows_the_bytes_written_when_asked(tmp_path, capsys):
+    w = dps.Variable(np.zeros((64, 64), np.float32), name="w")
+    path = dps.Checkpoint(w=w).write(str(tmp_path / "c"), progress=True)
+    err = capsys.readouterr()
+    shown = err.out + err.err
+    assert f"saving {path}" in shown and "MiB" in shown
+    dps.Checkpoint(w=w).write(str(tmp_path / "d"), progress=False)
+    err = capsys.readouterr()
+    assert "saving" not in err.out + err.err
+
+
+def test_the_step_counter_spaces_saves_and_must_be_a_scalar_int(tmp_path):
+    """TensorFlow's rule: with ``checkpoint_interval``, a save comes only once the step counter has moved on by
+    at least the interval since the last save."""
+    w = dps.Variable(np.zeros(2, np.float32), name="w")
+    step = dps.Variable(np.int64(7))
+    manager = dps.CheckpointManager(dps.Checkpoint(w=w), str(tmp_path), step_counter=step, checkpoint_interval=5)
+    assert manager.save() is not None
+    step.assign(np.int64(11))
+    assert manager.save() is None
+    step.assign(np.int64(12))
+    assert manager.save() is not None
+    assert manager.save(check_interval=False) is None  # the same step is never saved twice
+    step.assign(np.int64(13))
+    assert manager.save() is None
+    assert manager.save(check_interval=False) is not None  # before the interval, when asked
+    with pytest.raises(ValueError) as info:
+        dps.CheckpointManager(dps.Checkpoint(w=w), str(tmp_path / "b"), step_counter=dps.Variable(1.5),
+                              checkpoint_interval=2)
+    assert str(info.value) == ("step_counter must be a scalar int variable (such as optimizer.iterations), "
+                               "got float32 ()")
+
+
+def test_restore_or_initialize_restores_the_latest_or_calls_init(tmp_path):
+    w = dps.Variable(np.zeros(2, np.float32), name="w")
+    called = []
+    manager = dps.CheckpointManager(dps.Checkpoint(w=w), str(tmp_path), init_fn=lambda: called.append(1))
+    assert manager.restore_or_initialize() is None and called == [1]
+    w.assign(np.array([3.0, 4.0], np.float32))
+    saved = manager.save()
+    w.assign(np.zeros(2, np.float32))
+    again = dps.CheckpointManager(dps.Checkpoint(w=w), str(tmp_path), init_fn=lambda: called.append(2))
+    assert again.restore_or_initialize() == saved and called == [1]
+    np.testing.assert_array_equal(w.numpy(), [3.0, 4.0])
+    assert repr(dps.Checkpoint(w=w, b=w)) == "<daskps.Checkpoint ['b', 'w'] save_counter=0>"
