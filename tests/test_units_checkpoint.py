@@ -165,3 +165,83 @@ def test_restore_or_initialize_restores_the_latest_or_calls_init(tmp_path):
     assert again.restore_or_initialize() == saved and called == [1]
     np.testing.assert_array_equal(w.numpy(), [3.0, 4.0])
     assert repr(dps.Checkpoint(w=w, b=w)) == "<daskps.Checkpoint ['b', 'w'] save_counter=0>"
+
+
+def _momentum_checkpoint(tmp_path):
+    w = dps.Variable(np.zeros((3, 2), np.float32), name="w")
+    b = dps.Variable(np.zeros(2, np.float32), name="b")
+    opt = dps.optimizers.SGD(0.1, momentum=0.9)
+    opt.apply([np.ones((3, 2), np.float32), np.ones(2, np.float32)], [w, b])
+    return dps.Checkpoint(w=w, b=b, opt=opt, extra=dps.Variable(1.0)).write(str(tmp_path / "c"))
+
+
+def test_a_restore_that_does_not_match_lists_every_problem_and_changes_nothing(tmp_path):
+    path = _momentum_checkpoint(tmp_path)
+    w = dps.Variable(np.full((4, 2), 7.0, np.float32), name="w")
+    b = dps.Variable(np.full(2, 7.0), name="b")
+    with pytest.raises(ValueError) as info:
+        dps.Checkpoint(w=w, b=b, opt=dps.optimizers.SGD(0.1, momentum=0.9)).read(path)
+    assert str(info.value) == (
+        f"cannot restore from {path!r}; nothing was changed:\n"
+        "  w: checkpoint has shape (3, 2), object has (4, 2)\n"
+        "  w/.OPTIMIZER_SLOT/opt/momentum: checkpoint has shape (3, 2), variable has (4, 2)\n"
+        "  b: checkpoint has dtype float32, object has float64\n"
+        "  (in the checkpoint but not asked for: extra)")
+    assert (w.numpy() == 7).all() and (b.numpy() == 7).all()
+    with pytest.raises(ValueError) as info:
+        dps.Checkpoint(w=dps.Variable(np.zeros((3, 2), np.float32)), missing=b).read(path)
+    assert str(info.value) == (f"cannot restore from {path!r}; nothing was changed:\n"
+                               "  missing: not in the checkpoint\n"
+                               "  (in the checkpoint but not asked for: b, extra, opt/iterations)")
+
+
+def test_a_count_without_slots_is_restored_so_a_schedule_goes_on_from_it(tmp_path):
+    """Plain SGD keeps no slot arrays, only its step count: a schedule's rate after the restore is the one
+    at the saved count (1.0 * 0.5**step)."""
+    w = dps.Variable(np.zeros(1, np.float32), name="w")
+    opt = dps.optimizers.SGD(dps.optimizers.schedules.ExponentialDecay(1.0, 1, 0.5))
+    ckpt = dps.Checkpoint(w=w, opt=opt)
+    for _ in range(2):
+        opt.apply([np.ones(1, np.float32)], [w])  # -1, -0.5
+    path = ckpt.write(str(tmp_path / "c"))
+    for _ in range(3):
+        opt.apply([np.ones(1, np.float32)], [w])
+    ckpt.read(path)
+    opt.apply([np.ones(1, np.float32)], [w])  # rate(2) = 0.25
+    np.testing.assert_allclose(w.numpy(), [-1.75])
+
+
+@pytest.mark.parametrize("kwargs, kind, message", [
+    ({"checkpoint": "w"}, TypeError, "checkpoint must be a daskps.Checkpoint, got str"),
+    ({"directory": 3}, TypeError, "directory must be a str (a path or an fsspec URL), got int"),
+    ({"max_to_keep": 0}, ValueError, "max_to_keep must be a positive int or None, got 0"),
+    ({"max_to_keep": 1.5}, TypeError, "max_to_keep must be a positive int or None, got float"),
+    ({"max_to_keep": True}, TypeError, "max_to_keep must be a positive int or None, got bool"),
+    ({"keep_checkpoint_every_n_hours": -1}, ValueError,
+     "keep_checkpoint_every_n_hours must be a positive number or None, got -1"),
+    ({"checkpoint_name": "a/b"}, ValueError,
+     "checkpoint_name must be a file name inside the directory (no '/', not '..'), got 'a/b'"),
+    ({"checkpoint_interval": 5}, ValueError,
+     "checkpoint_interval needs step_counter (a scalar int variable, such as optimizer.iterations) to count steps by"),
+    ({"checkpoint_interval": 0, "step_counter": "counter"}, ValueError,
+     "checkpoint_interval must be a positive int or None, got 0"),
+    ({"init_fn": 3}, TypeError, "init_fn must be callable or None, got int"),
+])
+def test_manager_arguments_are_refused_word_for_word(tmp_path, kwargs, kind, message):
+    w = dps.Variable(np.zeros(2, np.float32), name="w")
+    given = {"checkpoint": dps.Checkpoint(w=w), "directory": str(tmp_path), **kwargs}
+    if given.get("step_counter") == "counter":
+        given["step_counter"] = dps.Variable(np.int64(0))
+    with pytest.raises(kind) as info:
+        dps.CheckpointManager(**given)
+    assert str(info.value) == message
+
+
+def test_one_kept_means_the_newest_one(tmp_path):
+    w = dps.Variable(np.zeros(2, np.float32), name="w")
+    manager = dps.CheckpointManager(dps.Checkpoint(w=w), str(tmp_path), max_to_keep=1)
+    first, second = manager.save(), manager.save()
+    assert manager.checkpoints == [second] and manager.latest_checkpoint == second and first != second
+    counted = dps.CheckpointManager(dps.Checkpoint(w=w), str(tmp_path / "n"), step_counter=np.int64(4),
+                                    checkpoint_interval=1)
+    assert counted.save() is not None  # a plain number counts as the step too

@@ -98,3 +98,24 @@ def test_the_base_class_leaves_update_and_result_to_subclasses():
         n.update_state(1.0)
     with pytest.raises(NotImplementedError):
         n.result()
+
+
+def test_state_is_kept_in_float64_and_call_passes_weights():
+    s = dps.metrics.Sum(dtype=np.float64)
+    s.update_state(np.array([16777216.0, 1.0], np.float32))  # 2**24 + 1: float32 cannot hold it
+    s.update_state(np.array([1.0], np.float32), sample_weight=np.array([1.0], np.float32))
+    assert float(s.result()) == 16777218.0
+    m = dps.metrics.Mean()
+    assert float(m([1.0, 3.0], sample_weight=[3.0, 1.0])) == 1.5
+
+
+def test_sparse_categorical_accuracy_takes_the_last_axis_of_a_sequence():
+    probs = np.zeros((2, 3, 4), np.float32)
+    labels = np.array([[0, 1, 2], [3, 3, 0]])
+    probs[0, 0, 0] = probs[0, 1, 1] = probs[0, 2, 3] = 1.0
+    probs[1, 0, 3] = probs[1, 1, 2] = probs[1, 2, 0] = 1.0
+    ours = dps.metrics.SparseCategoricalAccuracy()
+    ours.update_state(labels, probs)
+    theirs = keras.metrics.SparseCategoricalAccuracy()
+    theirs.update_state(labels, probs)
+    assert float(ours.result()) == pytest.approx(float(theirs.result())) == pytest.approx(4 / 6)

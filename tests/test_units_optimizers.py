@@ -265,3 +265,69 @@ def test_a_pickled_optimizer_keeps_its_settings_and_its_key():
     assert copy.server_key == opt.server_key
     copy.apply([_f32(4.0)], [w])  # clipped to 0.25
     np.testing.assert_allclose(w.numpy(), [1.0 - 0.5 * 0.25])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_hyperparameter_is_named_when_refused(name):
+    """A bad value of each of Keras' hyperparameters is refused with a message that starts with its name."""
+    for key, default in _shared(name).items():
+        if key in ("learning_rate", "clipnorm", "clipvalue", "global_clipnorm"):
+            continue
+        bad = "yes" if isinstance(default, bool) else 5.0 if key == "learning_rate_power" else -5.0
+        with pytest.raises((ValueError, TypeError)) as info:
+            getattr(dps.optimizers, name)(**{key: bad})
+        assert str(info.value).startswith(f"{key} must be"), (key, str(info.value))
+
+
+def test_the_few_rules_of_one_optimizer():
+    with pytest.raises(ValueError) as info:
+        dps.optimizers.AdamW(weight_decay=None)
+    assert str(info.value) == "weight_decay must be a non-negative number for AdamW, got None (use Adam for none)"
+    assert dps.optimizers.SGD(momentum=1.0).momentum == 1.0
+    with pytest.raises(ValueError) as info:
+        dps.optimizers.SGD(momentum=1.5)
+    assert str(info.value) == "momentum must be in [0, 1], got 1.5"
+
+
+def test_gradient_refusals_name_the_variable_and_change_nothing():
+    import collections
+
+    w, ints = dps.Variable(np.zeros(2, np.float32), name="w"), dps.Variable(np.zeros(2, np.int32), name="iv")
+    table = dps.EmbeddingTable(2, initializer=lambda shape, dtype: np.zeros(shape, dtype), name="t")
+    opt = dps.optimizers.SGD(1.0)
+    pair = collections.namedtuple("Pair", "a b")
+    cases = [
+        (([np.ones(3, np.float32)], [w]), "gradient for variable 'w' must have shape (2,), got (3,)"),
+        (([np.ones(2, np.int32)], [ints]), "optimizer 'SGD' cannot train variable 'iv' of dtype int32: only "
+                                           "floating-point variables have gradients (exclude it from the "
+                                           "gradients, or make it float)"),
+        (({"a": np.ones(2, np.float32)}, {"b": w}),
+         "grads must have the structure of trainable_variables: trainable_variables has 'b', which grads lacks"),
+        (([None, np.ones(2, np.float32)], [w]),
+         "grads and trainable_variables must have the same length, got 2 gradients for 1 variables"),
+        ((pair(np.ones(2, np.float32), np.ones(2, np.float32)), [w]),
+         "grads must have the structure of trainable_variables: trainable_variables has '0', which grads lacks"),
+        (([dps.IndexedSlices(np.ones((2, 1, 2), np.float32), np.array([[1], [2]]))], [table]),
+         "gradient keys for embedding table 't' must be 1-D, got shape (2, 1)"),
+        (([dps.IndexedSlices(np.array([["a", "b"], ["c", "d"]]), np.array([1, 2]))], [table]),
+         "gradient values for variable 't' must be numeric, got dtype <U1 from ndarray"),
+    ]
+    for (grads, variables), message in cases:
+        with pytest.raises((ValueError, TypeError)) as info:
+            opt.apply(grads, variables)
+        assert str(info.value) == message
+    assert int(opt.iterations.numpy()) == 0 and not w.numpy().any()
+
+
+def test_a_tree_of_gradients_may_hold_indexed_slices_and_tables_among_variables():
+    w = dps.Variable(np.zeros((3, 2), np.float32), name="w")
+    table = dps.EmbeddingTable(2, initializer=lambda shape, dtype: np.zeros(shape, dtype), name="t")
+    dps.embedding_lookup(table, np.array([4]))
+    b = dps.Variable(np.zeros(1, np.float32), name="b")
+    opt = dps.optimizers.SGD(1.0)
+    opt.apply({"w": dps.IndexedSlices(np.ones((1, 2), np.float32), np.array([1])),
+               "t": dps.IndexedSlices(np.ones((1, 2), np.float32), np.array([4])), "b": np.ones(1, np.float32)},
+              {"w": w, "t": table, "b": b})
+    np.testing.assert_array_equal(w.numpy(), [[0, 0], [-1, -1], [0, 0]])
+    np.testing.assert_array_equal(dps.embedding_lookup(table, np.array([4])), [[-1, -1]])
+    np.testing.assert_array_equal(b.numpy(), [-1])  # the variable after the table was trained too

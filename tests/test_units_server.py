@@ -308,3 +308,43 @@ def test_a_restore_naming_an_unknown_optimizer_or_variable_stages_nothing(tmp_pa
         ps.execute([ops.CommitRestore("t")])
     with pytest.raises(LookupError, match="'zz'"):
         ps.execute([ops.Save(str(tmp_path / "ck2"), [ops.SavePiece("zz", "zz", 0, [])])])
+
+
+def test_counts_add_up_per_holder_and_per_operation():
+    ps = _server(a=[1.0], b=[2.0], c=[3.0])  # h holds each once
+    ps.execute([ops.Acquire(["a"], "h")])  # h: 2 on a
+    assert ps.execute([ops.Release(["a"], "h")]) == [0]  # one count left: still held
+    np.testing.assert_array_equal(_value(ps, "a"), [1.0])
+    assert ps.execute([ops.ForgetPlace("nowhere")]) == [0]
+    for key in ("a", "b", "c"):
+        ps.execute([ops.Acquire([key], "p@tcp://x:1")])
+    ps.execute([ops.Release(["a", "b", "c"], "h"), ops.Release(["a"], "h")])
+    assert ps.execute([ops.ForgetPlace("tcp://x:1")]) == [3]  # every one dropped is counted
+    assert ps.execute([ops.Stats()])[0].num_variables == 0
+    ps = _server(s=np.float32(1))
+    ps.execute([ops.Update([("s", "add", 1.0)])])  # a Python number: no array bytes
+    assert ps.execute([ops.Stats()])[0].bytes_received == 0
+    np.testing.assert_array_equal(_value(ps, "s"), 2.0)
+
+
+def test_a_push_counts_the_bytes_of_every_gradient_and_names_the_optimizer_that_cannot_train():
+    ps = _server(a=[1.0, 1.0], b=[1.0])
+    ps.execute([ops.AddOptimizer("o", transforms.SGDTransform(0.1), True, "MySGD", "h")])
+    ps.execute([ops.ApplyGradients("o", [("a", "dense", np.ones(2, np.float32)), ("b", "dense", np.ones(1, np.float32))])])
+    assert ps.execute([ops.Stats()])[0].bytes_received == 12
+    ps.execute([ops.Create("i", "ints", DenseSpec(np.zeros(2, np.int32)), "h")])
+    with pytest.raises(TypeError, match=r"^optimizer 'MySGD' cannot train variable 'ints' of dtype int32"):
+        ps.execute([ops.ApplyGradients("o", [("i", "dense", np.ones(2, np.int32))])])
+
+
+def test_a_merged_push_moves_a_schedule_on_by_every_step_it_holds():
+    """A push merging 3 steps advances the count by 3: it is applied as the last of them (count 2), and the
+    next push at count 3. (Only fixed-rate SGD pushes are merged; a schedule makes the count visible.)"""
+    from daskps._core.schedules import ExponentialDecay
+
+    ps = _server(w=[0.0])
+    rate = ExponentialDecay(1.0, decay_steps=1, decay_rate=0.5)
+    ps.execute([ops.AddOptimizer("o", transforms.SGDTransform(rate), True, "SGD", "h")])
+    ps.execute([ops.ApplyGradients("o", [("w", "dense", np.ones(1, np.float32))], times=3)])  # at rate(2) = 0.25
+    ps.execute([ops.ApplyGradients("o", [("w", "dense", np.ones(1, np.float32))])])  # at rate(3) = 0.125
+    np.testing.assert_allclose(_value(ps, "w"), [-0.25 - 0.125])
