@@ -245,3 +245,41 @@ def test_one_kept_means_the_newest_one(tmp_path):
     counted = dps.CheckpointManager(dps.Checkpoint(w=w), str(tmp_path / "n"), step_counter=np.int64(4),
                                     checkpoint_interval=1)
     assert counted.save() is not None  # a plain number counts as the step too
+
+
+def test_save_numbers_checkpoints_and_a_restore_takes_the_counter_back(tmp_path):
+    import json
+
+    w = dps.Variable(np.float32(1.5), name="w")  # a scalar
+    ckpt = dps.Checkpoint(w=w)
+    prefix = str(tmp_path / "ck")
+    assert [ckpt.save(prefix), ckpt.save(prefix)] == [f"{prefix}-1", f"{prefix}-2"] and ckpt.save_counter == 2
+    manifest = json.loads((tmp_path / "ck-2" / "manifest.json").read_text())
+    assert manifest["format"] == "daskps-checkpoint/1" and manifest["save_counter"] == 2
+    w.assign(np.float32(-4.0))
+    later = dps.Checkpoint(w=w)
+    later.restore(f"{prefix}-2/")  # restore (not read) takes save_counter back; a trailing slash is the same
+    assert later.save_counter == 2 and float(w.numpy()) == 1.5
+    assert later.save(prefix) == f"{prefix}-3"
+
+
+def test_progress_follows_daskps_progress_bytes_unless_asked(tmp_path, capsys):
+    import dask
+
+    w = dps.Variable(np.zeros(256, np.float32), name="w")  # 1,024 bytes
+    ckpt = dps.Checkpoint(w=w)
+    with dask.config.set({"daskps.progress-bytes": 1024}):
+        ckpt.write(str(tmp_path / "a"))
+    assert "saving" in "".join(capsys.readouterr())
+    with dask.config.set({"daskps.progress-bytes": 1025}):
+        ckpt.write(str(tmp_path / "b"))
+    assert "saving" not in "".join(capsys.readouterr())
+    ckpt.save(str(tmp_path / "c"), progress=True)
+    assert "saving" in "".join(capsys.readouterr())
+
+
+def test_an_error_while_saving_with_progress_is_raised(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    w = dps.Variable(np.zeros(4, np.float32), name="w")
+    with pytest.raises((FileExistsError, NotADirectoryError, ValueError)):
+        dps.Checkpoint(w=w).write(str(tmp_path / "file" / "c"), progress=True)

@@ -128,11 +128,14 @@ def _tqdm_bar(label: str, total: float, unit: str, file: Any, notebook: bool) ->
 
 def watch(label: str, total_bytes: int, measure: Callable[[], float], stop: Callable[[], bool],
           interval: float = 0.5, file: Any = None) -> ProgressBar:
-    """Show ``measure()`` bytes out of ``total_bytes`` in MiB until ``stop()`` is true."""
+    """Show ``measure()`` bytes out of ``total_bytes`` in MiB until ``stop()`` is true.
+
+    What ``measure()`` finds may pass the total (files hold headers too): the bar stops at its end.
+    """
     bar = ProgressBar(label, total_bytes / 2**20, "MiB", file=file)
     try:
         while not stop():
-            bar.update(measure() / 2**20)
+            bar.update(min(measure(), total_bytes) / 2**20)
             time.sleep(interval)
         bar.update(bar.total)
     finally:
