@@ -875,6 +875,14 @@ def test_bad_shapes_and_counts_are_refused_in_a_scope_and_nothing_is_made(state,
     assert type(info.value) is error
 
 
+@pytest.mark.parametrize("case", BAD_SHAPE_ARGS)
+def test_bad_shapes_and_counts_are_refused_outside_any_scope(case):
+    call, error, match = BAD_SHAPE_ARGS[case]
+    with pytest.raises(error, match=match) as info:
+        call()
+    assert type(info.value) is error
+
+
 @pytest.mark.parametrize("trainable", ["no", 1, 0.0, [True]])
 @pytest.mark.parametrize("where", ["in the scope", "outside"])
 def test_trainable_must_be_true_or_false(state, trainable, where):

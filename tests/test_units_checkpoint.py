@@ -283,3 +283,145 @@ def test_an_error_while_saving_with_progress_is_raised(tmp_path):
     w = dps.Variable(np.zeros(4, np.float32), name="w")
     with pytest.raises((FileExistsError, NotADirectoryError, ValueError)):
         dps.Checkpoint(w=w).write(str(tmp_path / "file" / "c"), progress=True)
+
+
+def _spoiled(tmp_path, change):
+    """A checkpoint of ``w`` (3 x 2, two pieces by two shards) and a scalar ``s``, its manifest changed by
+    ``change(manifest)``; returns its path."""
+    import json
+
+    w = dps.ShardedVariable(dps.create_partitioned_variables((3, 2), [2, 1], np.ones((3, 2), np.float32), name="w"),
+                            name="w")
+    path = dps.Checkpoint(w=w, s=dps.Variable(np.float32(2.0), name="s")).write(str(tmp_path / "c"))
+    manifest_file = tmp_path / "c" / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    manifest_file.write_text(change(manifest) if isinstance(change(manifest), str) else json.dumps(manifest))
+    return path
+
+
+def _set(path, value):
+    def change(manifest):
+        *keys, last = path
+        target = manifest
+        for k in keys:
+            target = target[k]
+        target[last] = value
+        return manifest
+    return change
+
+
+def _pieces(transform):
+    def change(manifest):
+        manifest["tensors"]["w"]["pieces"] = transform(manifest["tensors"]["w"]["pieces"])
+        return manifest
+    return change
+
+
+SPOILED = {
+    "not JSON": (lambda m: "{", "not JSON (Expecting property name enclosed in double quotes: line 1 column 2 "
+                                "(char 1))"),
+    "no tensors": (lambda m: m.pop("tensors") and m, "no 'tensors' mapping"),
+    "a negative save_counter": (_set(["save_counter"], -1), "save_counter -1 is not a non-negative int"),
+    "no pieces key": (lambda m: m["tensors"]["w"].pop("pieces") and m, "tensor 'w' lacks dtype, shape or pieces"),
+    "no dtype": (lambda m: m["tensors"]["w"].pop("dtype") and m, "tensor 'w' lacks dtype, shape or pieces"),
+    "an unknown dtype": (_set(["tensors", "w", "dtype"], "nope"), "tensor 'w': dtype 'nope' is not a numpy dtype"),
+    "objects": (_set(["tensors", "w", "dtype"], "|O"), "tensor 'w': dtype object / shape [3, 2] cannot be a "
+                                                      "variable's"),
+    "a negative dimension": (_set(["tensors", "w", "shape"], [-3, 2]),
+                             "tensor 'w': dtype float32 / shape [-3, 2] cannot be a variable's"),
+    "a shape that is no list": (_set(["tensors", "w", "shape"], "3x2"),
+                                "tensor 'w': dtype float32 / shape '3x2' cannot be a variable's"),
+    "a mod layout of no shards": (_set(["tensors", "w", "layout"], ["mod", 0]),
+                                  "tensor 'w': layout ['mod', 0] is not ['div'] or ['mod', shards]"),
+    "another layout": (_set(["tensors", "w", "layout"], ["cyclic"]),
+                       "tensor 'w': layout ['cyclic'] is not ['div'] or ['mod', shards]"),
+    "a negative step": (_set(["tensors", "w", "step"], -1), "tensor 'w': step -1 is not a non-negative int"),
+    "negative steps": (_set(["tensors", "w", "steps"], {"opt": -1}),
+                       "tensor 'w': steps {'opt': -1} is not a mapping of optimizer paths to non-negative ints"),
+    "steps of no mapping": (_set(["tensors", "w", "steps"], [1]),
+                            "tensor 'w': steps [1] is not a mapping of optimizer paths to non-negative ints"),
+    "no pieces": (_pieces(lambda p: []), "tensor 'w' has no pieces"),
+    "a piece without its file": (_pieces(lambda p: [{k: v for k, v in p[0].items() if k != "file"}, p[1]]),
+                                 "tensor 'w': a piece lacks file, offset, rows or shape"),
+    "a piece that is no mapping": (_pieces(lambda p: [p[0], 7]),
+                                   "tensor 'w': a piece lacks file, offset, rows or shape"),
+    "a piece outside the directory": (_pieces(lambda p: [dict(p[0], file="../w.npy"), p[1]]), "tensor 'w': "),
+    "a piece of a negative shape": (_pieces(lambda p: [dict(p[0], shape=[2, -2]), p[1]]),
+                                    "tensor 'w': piece 'w@0.npy' has shape [2, -2]"),
+    "a gap": (_pieces(lambda p: [p[0], dict(p[1], offset=3)]),
+              "tensor 'w': piece 'w@2.npy' (offset 3, rows 1, shape [1, 2]) does not follow on at row 2 of [3, 2]"),
+    "rows that are not its shape's": (_pieces(lambda p: [dict(p[0], rows=1), p[1]]),
+                                      "tensor 'w': piece 'w@0.npy' (offset 0, rows 1, shape [2, 2]) does not follow "
+                                      "on at row 0 of [3, 2]"),
+    "pieces short of the rows": (_pieces(lambda p: [p[0]]), "tensor 'w': its pieces cover 2 of 3 rows"),
+    "a scalar in two pieces": (lambda m: m["tensors"]["s"]["pieces"].append(m["tensors"]["s"]["pieces"][0]) or m,
+                               "tensor 's' is a scalar but its pieces are "),
+}
+
+
+@pytest.mark.parametrize("case", SPOILED)
+def test_a_malformed_manifest_is_refused_naming_the_fault_and_changes_nothing(tmp_path, case):
+    change, fault = SPOILED[case]
+    path = _spoiled(tmp_path, change)
+    w = dps.ShardedVariable(dps.create_partitioned_variables((3, 2), [2, 1], np.zeros((3, 2), np.float32), name="w"),
+                            name="w")
+    s = dps.Variable(np.float32(0.0), name="s")
+    with pytest.raises(ValueError) as info:
+        dps.Checkpoint(w=w, s=s).read(path)
+    text = str(info.value)
+    assert text.startswith(f"malformed checkpoint manifest {path}/manifest.json: {fault}"), text
+    assert text.endswith("; nothing was changed")
+    assert not w.numpy().any() and float(s.numpy()) == 0.0
+
+
+def test_names_in_a_checkpoint_follow_the_objects_nesting_escaped_as_tensorflow_escapes_them(tmp_path):
+    import json
+
+    w, first, second = dps.Variable(np.ones(2, np.float32)), dps.Variable(1.0), dps.Variable(2.0)
+    m, opt = dps.metrics.Mean(name="loss"), dps.optimizers.SGD(0.1)
+    objects = {"model": {"a.b/c": w, "list": [first, (second,)]}, "m": m, "opt": opt}
+    path = dps.Checkpoint(**objects).write(str(tmp_path / "c"))
+    names = sorted(json.loads((tmp_path / "c" / "manifest.json").read_text())["tensors"])
+    assert names == ["m/count", "m/total", "model/a..b.Sc", "model/list/0", "model/list/1/0", "opt/iterations"]
+    for v in (w, first, second):
+        v.assign(np.zeros(v.shape, np.float32))
+    dps.Checkpoint(**objects).read(path)
+    assert w.numpy().tolist() == [1.0, 1.0] and float(first.numpy()) == 1.0 and float(second.numpy()) == 2.0
+
+
+@pytest.mark.parametrize("objects, message", [
+    ({"x": {3: 1}}, "checkpoint keys must be non-empty str, got 3 in 'x'"),
+    ({"x": {"": 1}}, "checkpoint keys must be non-empty str, got '' in 'x'"),
+    ({"x": 3}, "checkpoint object 'x' is a int; expected a Variable, ShardedVariable, EmbeddingTable, optimizer, "
+               "metric, or a dict/list/tuple of them"),
+    ({"x": [None, "s"]}, "checkpoint object 'x/0' is a NoneType; expected a Variable, ShardedVariable, "
+                         "EmbeddingTable, optimizer, metric, or a dict/list/tuple of them"),
+])
+def test_what_cannot_be_checkpointed_is_named_by_its_place(objects, message):
+    with pytest.raises(TypeError) as info:
+        dps.Checkpoint(**objects)
+    assert str(info.value) == message
+
+
+def test_writing_replaces_a_checkpoint_but_never_anything_else(tmp_path):
+    target = tmp_path / "c"
+    four = dps.ShardedVariable(dps.create_partitioned_variables((4, 2), [4, 1], np.ones((4, 2), np.float32),
+                                                                 name="w"), name="w")
+    dps.Checkpoint(w=four).write(str(target))
+    assert len(list(target.glob("*.npy"))) == 4
+    one = dps.Variable(np.full((4, 2), 3.0, np.float32), name="w")
+    dps.Checkpoint(w=one).write(str(target))  # the old pieces go
+    assert len(list(target.glob("*.npy"))) == 1
+    four.assign(np.zeros((4, 2), np.float32))
+    dps.Checkpoint(w=four).read(str(target))
+    assert (four.numpy() == 3.0).all()
+    stray = tmp_path / "notes"
+    stray.mkdir()
+    (stray / "todo.txt").write_text("mine")
+    with pytest.raises(ValueError) as info:
+        dps.Checkpoint(w=one).write(str(stray))
+    assert str(info.value) == f"{str(stray)!r} exists and is not a daskps checkpoint; refusing to overwrite it"
+    assert (stray / "todo.txt").read_text() == "mine"
+    fresh = tmp_path / "new" / "deeper"
+    dps.Checkpoint(w=one).write(str(fresh))
+    assert (fresh / "manifest.json").exists()
