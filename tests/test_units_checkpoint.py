@@ -425,3 +425,74 @@ def test_writing_replaces_a_checkpoint_but_never_anything_else(tmp_path):
     fresh = tmp_path / "new" / "deeper"
     dps.Checkpoint(w=one).write(str(fresh))
     assert (fresh / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("kwargs, kind, message", [
+    ({"checkpoint_name": "."}, ValueError,
+     "checkpoint_name must be a file name inside the directory (no '/', not '..'), got '.'"),
+    ({"checkpoint_name": 3}, TypeError, "checkpoint_name must be a str, got int"),
+    ({"keep_checkpoint_every_n_hours": True}, TypeError,
+     "keep_checkpoint_every_n_hours must be a positive number or None, got bool"),
+    ({"keep_checkpoint_every_n_hours": 0}, ValueError,
+     "keep_checkpoint_every_n_hours must be a positive number or None, got 0"),
+])
+def test_more_manager_arguments_are_refused_word_for_word(tmp_path, kwargs, kind, message):
+    w = dps.Variable(np.zeros(2, np.float32), name="w")
+    with pytest.raises(kind) as info:
+        dps.CheckpointManager(dps.Checkpoint(w=w), str(tmp_path), **kwargs)
+    assert str(info.value) == message
+
+
+def test_checkpoint_numbers_start_at_zero_and_a_trailing_slash_changes_nothing(tmp_path):
+    w = dps.Variable(np.zeros(2, np.float32), name="w")
+    manager = dps.CheckpointManager(dps.Checkpoint(w=w), str(tmp_path) + "/")
+    assert manager.save(checkpoint_number=0) == f"{tmp_path}/ckpt-0"
+    with pytest.raises(ValueError) as info:
+        manager.save(checkpoint_number=-1)
+    assert str(info.value) == "checkpoint_number must be a non-negative int or None, got -1"
+    assert manager.checkpoints == [f"{tmp_path}/ckpt-0"]
+
+
+def _rewrite(path, change):
+    import json
+    import pathlib
+
+    file = pathlib.Path(path) / "manifest.json"
+    manifest = json.loads(file.read_text())
+    change(manifest)
+    file.write_text(json.dumps(manifest))
+
+
+def test_manifests_written_otherwise_but_well_formed_are_read(tmp_path):
+    """Pieces in any order (an empty one before the piece at its offset), only the keys that must be there,
+    a mod layout of one shard (the same rows as blocks)."""
+    values = np.arange(8, dtype=np.float32).reshape(4, 2)
+    parts = [dps.Variable(values[:2], name="w/part_0"), dps.Variable(values[2:], name="w/part_1"),
+             dps.Variable(np.zeros((0, 2), np.float32), name="w/part_2")]
+    path = dps.Checkpoint(w=dps.ShardedVariable(parts, name="w")).write(str(tmp_path / "c"))
+
+    def change(manifest):
+        entry = manifest["tensors"]["w"]
+        assert len(entry["pieces"]) == 3 and entry["pieces"][-1]["rows"] == 0
+        manifest["tensors"]["w"] = {"dtype": entry["dtype"], "shape": entry["shape"], "layout": ["mod", 1],
+                                    "pieces": entry["pieces"][::-1]}
+
+    _rewrite(path, change)
+    target = dps.Variable(np.zeros((4, 2), np.float32), name="w")
+    dps.Checkpoint(w=target).read(path)
+    np.testing.assert_array_equal(target.numpy(), values)
+    _rewrite(path, lambda m: m["tensors"]["w"]["pieces"][0].update(offset="4"))
+    with pytest.raises(ValueError, match=r"tensor 'w': piece '[^']+' \(offset '4', rows 0"):
+        dps.Checkpoint(w=target).read(path)
+
+
+def test_a_metric_named_with_slashes_keeps_its_state_names(tmp_path):
+    import json
+
+    m = dps.metrics.Mean(name="eval/loss")
+    m.update_state([2.0, 4.0])
+    path = dps.Checkpoint(m=m).write(str(tmp_path / "c"))
+    assert sorted(json.loads((tmp_path / "c" / "manifest.json").read_text())["tensors"]) == ["m/count", "m/total"]
+    m.reset_state()
+    dps.Checkpoint(m=m).read(path)
+    assert float(m.result()) == 3.0
