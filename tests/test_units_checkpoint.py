@@ -496,3 +496,30 @@ def test_a_metric_named_with_slashes_keeps_its_state_names(tmp_path):
     m.reset_state()
     dps.Checkpoint(m=m).read(path)
     assert float(m.result()) == 3.0
+
+
+def test_tables_and_variables_are_not_restored_from_each_other_and_every_problem_is_listed(tmp_path):
+    table = dps.EmbeddingTable(2, initializer=_zeros, name="t")
+    opt = dps.optimizers.Adagrad(0.1)
+    dps.embedding_lookup(table, np.array([1, 2]))
+    opt.apply([dps.IndexedSlices(np.ones((1, 2), np.float32), np.array([1]))], [table])
+    v = dps.Variable(np.zeros((3, 2), np.float32), name="v")
+    path = dps.Checkpoint(t=table, v=v, opt=opt).write(str(tmp_path / "c"))
+    head = f"cannot restore from {path!r}; nothing was changed:\n  "
+    with pytest.raises(ValueError) as info:
+        dps.Checkpoint(t=dps.Variable(np.zeros((3, 2), np.float32))).read(path)
+    assert str(info.value) == head + (
+        "t: the checkpoint holds an EmbeddingTable's rows (by key) there, not a variable\n"
+        "  t/.OPTIMIZER_SLOT/opt/accumulator: checkpoint has shape (2, 2), variable has (3, 2)\n"
+        "  (in the checkpoint but not asked for: opt/iterations, t/.CLOCKS, t/.KEYS, t/.LAST_UPDATED, "
+        "t/.LAST_USED, v)")
+    with pytest.raises(ValueError) as info:  # two problems, of a table and of a variable; nothing else unasked
+        dps.Checkpoint(t=dps.EmbeddingTable(3, initializer=_zeros, name="t"),
+                       v=dps.Variable(np.zeros((4, 2), np.float32)), opt=dps.optimizers.Adagrad(0.1)).read(path)
+    assert str(info.value) == head + ("t: checkpoint has rows of [2], embedding table has dim 3\n"
+                                      "  v: checkpoint has shape (3, 2), object has (4, 2)")
+    var_path = dps.Checkpoint(t=v).write(str(tmp_path / "v"))
+    with pytest.raises(ValueError) as info:
+        dps.Checkpoint(t=dps.EmbeddingTable(2, initializer=_zeros, name="t")).read(var_path)
+    assert str(info.value) == (f"cannot restore from {var_path!r}; nothing was changed:\n  t: the checkpoint lacks "
+                               "t/.KEYS, t/.LAST_UPDATED, t/.LAST_USED, t/.CLOCKS (not saved from an EmbeddingTable)")

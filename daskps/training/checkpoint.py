@@ -456,7 +456,9 @@ def _check_match(tensors: dict[str, Any], saved: dict, slots_of: dict, path: str
                 if tuple(slot["shape"]) != t.shape:
                     problems.append(f"{slot_name}: checkpoint has shape {tuple(slot['shape'])}, variable has {t.shape}")
     if problems:
-        unused = sorted(n for n in saved if n not in tensors and f"/{ckpt_io.SLOT}/" not in n)
+        # A table's keys and clocks belong to it: they are asked for with it.
+        asked = set(tensors) | {name + s for name, t in tensors.items() if isinstance(t, _Table) for s in SAVED_TENSORS}
+        unused = sorted(n for n in saved if n not in asked and f"/{ckpt_io.SLOT}/" not in n)
         hint = f"\n  (in the checkpoint but not asked for: {', '.join(unused)})" if unused else ""
         raise ValueError(f"cannot restore from {path!r}; nothing was changed:\n  " + "\n  ".join(problems) + hint)
 
