@@ -523,3 +523,15 @@ def test_tables_and_variables_are_not_restored_from_each_other_and_every_problem
         dps.Checkpoint(t=dps.EmbeddingTable(2, initializer=_zeros, name="t")).read(var_path)
     assert str(info.value) == (f"cannot restore from {var_path!r}; nothing was changed:\n  t: the checkpoint lacks "
                                "t/.KEYS, t/.LAST_UPDATED, t/.LAST_USED, t/.CLOCKS (not saved from an EmbeddingTable)")
+
+
+def test_an_empty_shard_in_the_middle_does_not_overwrite_the_next_piece(tmp_path):
+    """An empty shard starts where the next one does: its file must not take the next one's name."""
+    values = np.arange(8, dtype=np.float32).reshape(4, 2)
+    parts = [dps.Variable(values[:2], name="w/part_0"), dps.Variable(np.zeros((0, 2), np.float32), name="w/part_1"),
+             dps.Variable(values[2:], name="w/part_2")]
+    path = dps.Checkpoint(w=dps.ShardedVariable(parts, name="w")).write(str(tmp_path / "c"))
+    assert len(list((tmp_path / "c").glob("*.npy"))) == 3
+    target = dps.Variable(np.zeros((4, 2), np.float32), name="w")
+    dps.Checkpoint(w=target).read(path)
+    np.testing.assert_array_equal(target.numpy(), values)
