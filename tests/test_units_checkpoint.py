@@ -354,6 +354,9 @@ SPOILED = {
                                       "tensor 'w': piece 'w@0.npy' (offset 0, rows 1, shape [2, 2]) does not follow "
                                       "on at row 0 of [3, 2]"),
     "pieces short of the rows": (_pieces(lambda p: [p[0]]), "tensor 'w': its pieces cover 2 of 3 rows"),
+    "a piece of other rows": (_pieces(lambda p: [dict(p[0], shape=[2, 3]), p[1]]),
+                              "tensor 'w': piece 'w@0.npy' (offset 0, rows 2, shape [2, 3]) does not follow on at "
+                              "row 0 of [3, 2]"),
     "a scalar in two pieces": (lambda m: m["tensors"]["s"]["pieces"].append(m["tensors"]["s"]["pieces"][0]) or m,
                                "tensor 's' is a scalar but its pieces are "),
 }
@@ -465,24 +468,30 @@ def _rewrite(path, change):
 
 def test_manifests_written_otherwise_but_well_formed_are_read(tmp_path):
     """Pieces in any order (an empty one before the piece at its offset), only the keys that must be there,
-    a mod layout of one shard (the same rows as blocks)."""
+    no save_counter, a mod layout of one shard (the same rows as blocks)."""
     values = np.arange(8, dtype=np.float32).reshape(4, 2)
-    parts = [dps.Variable(values[:2], name="w/part_0"), dps.Variable(values[2:], name="w/part_1"),
-             dps.Variable(np.zeros((0, 2), np.float32), name="w/part_2")]
+    parts = [dps.Variable(values[:2], name="w/part_0"), dps.Variable(np.zeros((0, 2), np.float32), name="w/part_1"),
+             dps.Variable(values[2:], name="w/part_2")]
     path = dps.Checkpoint(w=dps.ShardedVariable(parts, name="w")).write(str(tmp_path / "c"))
 
-    def change(manifest):
-        entry = manifest["tensors"]["w"]
-        assert len(entry["pieces"]) == 3 and entry["pieces"][-1]["rows"] == 0
-        manifest["tensors"]["w"] = {"dtype": entry["dtype"], "shape": entry["shape"], "layout": ["mod", 1],
-                                    "pieces": entry["pieces"][::-1]}
+    def bare(layout):
+        def change(manifest):
+            entry = manifest["tensors"]["w"]
+            assert sorted(p["rows"] for p in entry["pieces"]) == [0, 2, 2]
+            manifest["tensors"]["w"] = {"dtype": entry["dtype"], "shape": entry["shape"],
+                                        "pieces": sorted(entry["pieces"], key=lambda p: -p["rows"]), **layout}
+            manifest.pop("save_counter", None)
+        return change
 
-    _rewrite(path, change)
-    target = dps.Variable(np.zeros((4, 2), np.float32), name="w")
-    dps.Checkpoint(w=target).read(path)
-    np.testing.assert_array_equal(target.numpy(), values)
+    for layout in ({}, {"layout": ["mod", 1]}):
+        _rewrite(path, bare(layout))
+        target = dps.Variable(np.zeros((4, 2), np.float32), name="w")
+        ckpt = dps.Checkpoint(w=target)
+        ckpt.restore(path)
+        np.testing.assert_array_equal(target.numpy(), values)
+        assert ckpt.save_counter == 0
     _rewrite(path, lambda m: m["tensors"]["w"]["pieces"][0].update(offset="4"))
-    with pytest.raises(ValueError, match=r"tensor 'w': piece '[^']+' \(offset '4', rows 0"):
+    with pytest.raises(ValueError, match=r"tensor 'w': piece '[^']+' \(offset '4', rows 2"):
         dps.Checkpoint(w=target).read(path)
 
 
@@ -504,19 +513,20 @@ def test_tables_and_variables_are_not_restored_from_each_other_and_every_problem
     dps.embedding_lookup(table, np.array([1, 2]))
     opt.apply([dps.IndexedSlices(np.ones((1, 2), np.float32), np.array([1]))], [table])
     v = dps.Variable(np.zeros((3, 2), np.float32), name="v")
-    path = dps.Checkpoint(t=table, v=v, opt=opt).write(str(tmp_path / "c"))
+    path = dps.Checkpoint(t=table, v=v, a=dps.Variable(1.0), opt=opt).write(str(tmp_path / "c"))
     head = f"cannot restore from {path!r}; nothing was changed:\n  "
     with pytest.raises(ValueError) as info:
         dps.Checkpoint(t=dps.Variable(np.zeros((3, 2), np.float32))).read(path)
     assert str(info.value) == head + (
         "t: the checkpoint holds an EmbeddingTable's rows (by key) there, not a variable\n"
         "  t/.OPTIMIZER_SLOT/opt/accumulator: checkpoint has shape (2, 2), variable has (3, 2)\n"
-        "  (in the checkpoint but not asked for: opt/iterations, t/.CLOCKS, t/.KEYS, t/.LAST_UPDATED, "
+        "  (in the checkpoint but not asked for: a, opt/iterations, t/.CLOCKS, t/.KEYS, t/.LAST_UPDATED, "
         "t/.LAST_USED, v)")
-    with pytest.raises(ValueError) as info:  # two problems, of a table and of a variable; nothing else unasked
-        dps.Checkpoint(t=dps.EmbeddingTable(3, initializer=_zeros, name="t"),
+    with pytest.raises(ValueError) as info:  # three problems, of variables and a table; nothing else unasked
+        dps.Checkpoint(a=dps.Variable(np.zeros(2)), t=dps.EmbeddingTable(3, initializer=_zeros, name="t"),
                        v=dps.Variable(np.zeros((4, 2), np.float32)), opt=dps.optimizers.Adagrad(0.1)).read(path)
-    assert str(info.value) == head + ("t: checkpoint has rows of [2], embedding table has dim 3\n"
+    assert str(info.value) == head + ("a: checkpoint has shape (), object has (2,)\n"
+                                      "  t: checkpoint has rows of [2], embedding table has dim 3\n"
                                       "  v: checkpoint has shape (3, 2), object has (4, 2)")
     var_path = dps.Checkpoint(t=v).write(str(tmp_path / "v"))
     with pytest.raises(ValueError) as info:
@@ -535,3 +545,28 @@ def test_an_empty_shard_in_the_middle_does_not_overwrite_the_next_piece(tmp_path
     target = dps.Variable(np.zeros((4, 2), np.float32), name="w")
     dps.Checkpoint(w=target).read(path)
     np.testing.assert_array_equal(target.numpy(), values)
+
+
+def test_an_optimizer_nested_in_the_objects_finds_its_slots_and_a_table_does_not_end_the_restore(tmp_path):
+    table = dps.EmbeddingTable(2, initializer=_zeros, name="t")
+    w = dps.Variable(np.zeros(2, np.float32), name="w")
+    opt = dps.optimizers.SGD(0.5, momentum=0.5)
+    dps.embedding_lookup(table, np.array([3]))
+    g = dps.IndexedSlices(np.ones((1, 2), np.float32), np.array([3]))
+    opt.apply([g, np.ones(2, np.float32)], [table, w])  # momentum -0.5 on both
+    objects = {"train": {"opt": opt}, "t": table, "w": w}  # w comes after the table
+    path = dps.Checkpoint(**objects).write(str(tmp_path / "c"))
+    opt.apply([g, np.ones(2, np.float32)], [table, w])
+    dps.Checkpoint(**objects).read(path)
+    np.testing.assert_array_equal(w.numpy(), [-0.5, -0.5])
+    opt.apply([g, np.ones(2, np.float32)], [table, w])  # m = 0.5 * -0.5 - 0.5 = -0.75 from the saved slot
+    np.testing.assert_allclose(w.numpy(), [-1.25, -1.25])
+    np.testing.assert_allclose(dps.embedding_lookup(table, np.array([3])), [[-1.25, -1.25]])
+
+
+def test_checkpoints_of_another_name_rotate_too(tmp_path):
+    w = dps.Variable(np.zeros(2, np.float32), name="w")
+    manager = dps.CheckpointManager(dps.Checkpoint(w=w), str(tmp_path), max_to_keep=2, checkpoint_name="model")
+    paths = [manager.save() for _ in range(3)]
+    assert manager.checkpoints == paths[1:] and paths[2] == f"{tmp_path}/model-3"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model-2", "model-3"]

@@ -331,3 +331,23 @@ def test_a_tree_of_gradients_may_hold_indexed_slices_and_tables_among_variables(
     np.testing.assert_array_equal(w.numpy(), [[0, 0], [-1, -1], [0, 0]])
     np.testing.assert_array_equal(dps.embedding_lookup(table, np.array([4])), [[-1, -1]])
     np.testing.assert_array_equal(b.numpy(), [-1])  # the variable after the table was trained too
+
+
+def test_the_messages_that_say_what_to_do_word_for_word():
+    w = dps.Variable(np.zeros(2, np.float32), name="w")
+    opt = dps.optimizers.SGD(1.0)
+    cases = [
+        (lambda: opt.exclude_from_weight_decay(var_list=[3.0]), "var_list must contain Variables or ShardedVariables, "
+                                                                "got float"),
+        (lambda: opt.build([w, 3.0]), "var_list must contain Variables or ShardedVariables, got float"),
+        (lambda: opt.apply_gradients([np.ones(2, np.float32)], [w]),
+         "apply_gradients takes one argument, a list of (gradient, variable) pairs; to pass gradients and variables "
+         "as two lists, use optimizer.apply(grads, variables)"),
+        (lambda: opt.apply_gradients([np.ones(2, np.float32)]),
+         "grads_and_vars must be (gradient, variable) pairs; item 0 is a ndarray of shape (2,). To pass gradients "
+         "and variables as two lists, use optimizer.apply(grads, variables)"),
+    ]
+    for call, message in cases:
+        with pytest.raises(TypeError) as info:
+            call()
+        assert str(info.value) == message

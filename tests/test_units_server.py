@@ -348,3 +348,15 @@ def test_a_merged_push_moves_a_schedule_on_by_every_step_it_holds():
     ps.execute([ops.ApplyGradients("o", [("w", "dense", np.ones(1, np.float32))], times=3)])  # at rate(2) = 0.25
     ps.execute([ops.ApplyGradients("o", [("w", "dense", np.ones(1, np.float32))])])  # at rate(3) = 0.125
     np.testing.assert_allclose(_value(ps, "w"), [-0.25 - 0.125])
+
+
+def test_a_release_by_a_holder_without_counts_changes_nothing_and_releases_go_on_past_unknown_keys():
+    ps = _server(a=[1.0], b=[2.0])  # h holds each once
+    ps.execute([ops.Acquire(["a"], "other")])
+    assert ps.execute([ops.Release(["a"], "nobody")]) == [0]  # no count to take: none goes below zero
+    ps.execute([ops.Acquire(["a"], "nobody")])  # nobody: 1
+    assert ps.execute([ops.Release(["a"], "h"), ops.Release(["a"], "other")]) == [0, 0]  # nobody holds it still
+    assert ps.execute([ops.Release(["gone", "a", "b"], "nobody")]) == [1]  # past the unknown key; a dropped
+    assert ps.execute([ops.Acquire(["b"], "x"), ops.Release(["b"], "x"), ops.Release(["b"], "h")])[1:] == [0, 1]
+    ps = _server(c=[1.0], d=[2.0])
+    assert ps.execute([ops.Release(["c", "d"], "h")]) == [2]  # every one dropped is counted
