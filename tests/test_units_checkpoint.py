@@ -570,3 +570,10 @@ def test_checkpoints_of_another_name_rotate_too(tmp_path):
     paths = [manager.save() for _ in range(3)]
     assert manager.checkpoints == paths[1:] and paths[2] == f"{tmp_path}/model-3"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model-2", "model-3"]
+
+
+def test_a_manager_keeps_five_checkpoints_named_ckpt_by_default(tmp_path):
+    w = dps.Variable(np.zeros(2, np.float32), name="w")
+    manager = dps.CheckpointManager(dps.Checkpoint(w=w), str(tmp_path))
+    paths = [manager.save() for _ in range(6)]
+    assert paths[0] == f"{tmp_path}/ckpt-1" and manager.checkpoints == paths[1:]
