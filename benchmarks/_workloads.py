@@ -16,6 +16,10 @@ batches generated once, so data generation is not what is measured.
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import subprocess
 import time
 
 import numpy as np
@@ -167,3 +171,20 @@ def best_rate(name: str, steps: int, run) -> float:
 UNITS = {"dispatch": "functions/s", "dense": "examples/s", "dense_jax": "examples/s", "ctr": "examples/s",
          "ctr_hash": "examples/s",
          "small": "steps/s"}
+
+
+def run_child(cmd: list[str], timeout: float, **env: str) -> dict:
+    """Run a benchmark's child process (with ``env`` added, and this folder on its path); return the dict it
+    printed on its ``RESULT`` line, or ``{"error": ...}`` with the last error it wrote."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout}s"}
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    lines = done.stderr.strip().splitlines() or ["no output"]
+    errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b", line)]
+    return {"error": (errors or lines)[-1][:300]}

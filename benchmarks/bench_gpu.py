@@ -23,8 +23,6 @@ import argparse
 import json
 import os
 import platform
-import re
-import subprocess
 import sys
 import time
 
@@ -33,7 +31,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _workloads import LR, timed_schedule  # noqa: E402
+from _workloads import LR, dense_jax_grad, run_child, timed_schedule  # noqa: E402
 
 
 def _init(hidden: int) -> dict[str, np.ndarray]:
@@ -56,18 +54,6 @@ def _batches(worker: int, batch: int, n: int = 4):
     return out
 
 
-def _grad_fn():
-    import jax
-    import jax.numpy as jnp
-
-    def loss(params, x, y):
-        h = jnp.maximum(x @ params["w1"] + params["b1"], 0)
-        logp = jax.nn.log_softmax(h @ params["w2"] + params["b2"])
-        return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
-
-    return jax.jit(jax.value_and_grad(loss))
-
-
 def _cycle(batches):
     while True:
         yield from batches
@@ -82,7 +68,7 @@ def _device():
 
 def _step_alone(hidden: int, batch: int, seconds: float = 3.0) -> float:
     """Steps/s of the jitted step in this process, numpy in and out, no servers."""
-    grad = _grad_fn()
+    grad = dense_jax_grad()
     params = _init(hidden)
     data = _batches(0, batch)
     for x, y in data:
@@ -105,7 +91,7 @@ def child(trainers: int, batch: int, hidden: int, steps: int, num_ps: int) -> di
         partitioner = dps.partitioners.MinSizePartitioner(256 << 10, max_shards=num_ps)
         with dps.ParameterServerStrategy(client, variable_partitioner=partitioner) as strategy:
             coordinator = dps.ClusterCoordinator(strategy)
-            grad = _grad_fn()
+            grad = dense_jax_grad()
             with strategy.scope():
                 params = dps.create_variables(_init(hidden))
                 opt = dps.optimizers.SGD(LR)
@@ -142,18 +128,7 @@ def _spawn(platform_name: str, trainers: int, batch: int, hidden: int, steps: in
            timeout: float) -> dict:
     cmd = [sys.executable, __file__, "--child", "--trainers", str(trainers), "--batch", str(batch),
            "--hidden", str(hidden), "--steps", str(steps), "--ps", str(num_ps)]
-    env = dict(os.environ, JAX_PLATFORMS=platform_name, XLA_PYTHON_CLIENT_PREALLOCATE="false",
-               PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout}s"}
-    for line in reversed(done.stdout.splitlines()):
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    lines = done.stderr.strip().splitlines() or ["no output"]
-    errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b", line)]
-    return {"error": (errors or lines)[-1][:300]}
+    return run_child(cmd, timeout, JAX_PLATFORMS=platform_name, XLA_PYTHON_CLIENT_PREALLOCATE="false")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,14 +25,13 @@ import importlib.util
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _workloads import UNITS  # noqa: E402
+from _workloads import UNITS, run_child  # noqa: E402
 
 SYSTEMS = {"daskps": "daskps", "tf": "tensorflow", "ray": "ray", "torch": "torch", "dask": "distributed"}
 NAMES = {"daskps": "daskps", "tf": "TensorFlow PSS", "ray": "Ray actors", "torch": "PyTorch RPC", "dask": "raw Dask"}
@@ -58,15 +57,7 @@ def _spawn(system: str, workloads: list[str], num_ps: int, num_workers: int, ste
            staleness: int = 0) -> dict:
     cmd = [sys.executable, __file__, "--child", system, "--ps", str(num_ps), "--workers", str(num_workers),
            "--only", ",".join(workloads), "--steps", json.dumps(steps), "--staleness", str(staleness)]
-    env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout}s"}
-    for line in reversed(done.stdout.splitlines()):
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1][:200]}
+    return run_child(cmd, timeout)
 
 
 def _available(systems: list[str]) -> tuple[list[str], list[str]]:

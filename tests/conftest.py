@@ -146,6 +146,12 @@ def wait_for_recovery(coordinator, count: int = 1, timeout: float = 60) -> None:
         time.sleep(0.02)
 
 
+def kill_for_good(cluster, client: Client, name: str) -> str:
+    """SIGKILL the worker ``name`` after telling its Nanny not to restart it: a machine gone for good."""
+    cluster.workers[name].close_gracefully(reason="test: gone for good")
+    return kill_worker(client, name)
+
+
 def two_ps_training(client: Client, directory, sleep: float = 0.0, saved_after: int = 0):
     """Variable ``a`` on ps-0 and ``b`` on ps-1, a checkpoint manager in ``directory``, its coordinator,
     and a step adding 1 to both (``step(i)`` returns ``i``): ``(strategy, a, b, manager, coordinator, step)``.

@@ -80,7 +80,7 @@ def test_a_failed_recovery_after_a_function_error_leaves_the_first_error_to_rais
     import daskps as dps
     from daskps.errors import PSUnavailableError
 
-    from .conftest import kill_worker
+    from .conftest import kill_for_good
 
     cluster, client = fresh_cluster
     strategy = dps.ParameterServerStrategy(client)
@@ -93,8 +93,7 @@ def test_a_failed_recovery_after_a_function_error_leaves_the_first_error_to_rais
     assert isinstance(coordinator.last_error, ValueError)
     with dask.config.set({"daskps.recovery-timeout": "2s"}):
         for name in ("ps-0", "ps-1"):  # gone for good: the nanny does not start them again
-            cluster.workers[name].close_gracefully(reason="test: gone for good")
-            kill_worker(client, name)
+            kill_for_good(cluster, client, name)
         deadline = time.monotonic() + 60
         while not isinstance(coordinator.last_error, PSUnavailableError):  # the recovery failed, after the error
             assert time.monotonic() < deadline, f"no failed recovery: {coordinator.last_error!r}"

@@ -11,7 +11,14 @@ import pytest
 import daskps as dps
 from daskps.errors import PSUnavailableError, RollbackWarning
 
-from .conftest import kill_worker, two_ps_training, wait_done, wait_for_recovery, worker_address
+from .conftest import (
+    kill_for_good,
+    kill_worker,
+    two_ps_training,
+    wait_done,
+    wait_for_recovery,
+    worker_address,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -190,19 +197,13 @@ def test_shards_and_slots_of_the_lost_server_come_back_from_the_checkpoint(fresh
     np.testing.assert_allclose(got[2:], kept_rows[2:], rtol=1e-5)
 
 
-def _kill_for_good(cluster, client, name):
-    """SIGKILL the worker ``name`` after telling its Nanny not to restart it: a machine gone for good."""
-    cluster.workers[name].close_gracefully(reason="test: gone for good")
-    kill_worker(client, name)
-
-
 def test_a_ps_gone_for_good_is_recreated_on_another_ps_worker(fresh_cluster, tmp_path):
     import dask.config
 
     cluster, client = fresh_cluster
     strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path, saved_after=1)
     with dask.config.set({"daskps.recovery-same-worker-wait": "1s"}):
-        _kill_for_good(cluster, client, "ps-0")
+        kill_for_good(cluster, client, "ps-0")
         for _ in range(20):
             coordinator.schedule(step)
         with pytest.warns(RollbackWarning, match="ps:0"):
@@ -232,7 +233,7 @@ def test_functions_scheduled_during_a_recovery_wait_for_it(fresh_cluster, tmp_pa
     strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path, saved_after=1)
     ran = f"daskps-ran-during-recovery-{uuid.uuid4().hex}"
     with dask.config.set({"daskps.recovery-same-worker-wait": "6s"}):  # waits 6 s for ps-0 before moving it
-        _kill_for_good(cluster, client, "ps-0")
+        kill_for_good(cluster, client, "ps-0")
         deadline = time.monotonic() + 60
         while coordinator.recovery_state is not RecoveryState.RECOVERING:
             assert time.monotonic() < deadline, "no recovery began"
@@ -256,8 +257,8 @@ def test_no_ps_worker_in_time_fails_join_with_a_clear_error(fresh_cluster, tmp_p
     manager = dps.CheckpointManager(dps.Checkpoint(a=a), str(tmp_path))
     coordinator = dps.ClusterCoordinator(strategy, checkpoint_manager=manager)
     with dask.config.set({"daskps.recovery-timeout": "2s"}):
-        _kill_for_good(cluster, client, "ps-0")
-        _kill_for_good(cluster, client, "ps-1")
+        kill_for_good(cluster, client, "ps-0")
+        kill_for_good(cluster, client, "ps-1")
         remotes = [coordinator.schedule(lambda: a.assign_add(1.0) and None) for _ in range(5)]
         with pytest.raises(PSUnavailableError, match=r"ps:\d was lost and no worker with resource 'ps' came"):
             coordinator.join()
