@@ -152,6 +152,16 @@ def kill_for_good(cluster, client: Client, name: str) -> str:
     return kill_worker(client, name)
 
 
+def one_checkpointed_variable(client: Client, directory):
+    """A strategy on ``client`` with one variable ``a`` (0.0), a CheckpointManager of it in ``directory``, and
+    a coordinator that recovers from it: ``(strategy, a, manager, coordinator)``."""
+    strategy = dps.ParameterServerStrategy(client)
+    with strategy.scope():
+        a = dps.Variable(0.0, name="a")
+    manager = dps.CheckpointManager(dps.Checkpoint(a=a), str(directory))
+    return strategy, a, manager, dps.ClusterCoordinator(strategy, checkpoint_manager=manager)
+
+
 def two_ps_training(client: Client, directory, sleep: float = 0.0, saved_after: int = 0):
     """Variable ``a`` on ps-0 and ``b`` on ps-1, a checkpoint manager in ``directory``, its coordinator,
     and a step adding 1 to both (``step(i)`` returns ``i``): ``(strategy, a, b, manager, coordinator, step)``.

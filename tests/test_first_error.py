@@ -77,17 +77,12 @@ def test_a_failed_recovery_after_a_function_error_leaves_the_first_error_to_rais
     raises the function's error, the first one; the recovery's is ``last_error``."""
     import dask.config
 
-    import daskps as dps
     from daskps.errors import PSUnavailableError
 
-    from .conftest import kill_for_good
+    from .conftest import kill_for_good, one_checkpointed_variable
 
     cluster, client = fresh_cluster
-    strategy = dps.ParameterServerStrategy(client)
-    with strategy.scope():
-        a = dps.Variable(0.0, name="a")
-    manager = dps.CheckpointManager(dps.Checkpoint(a=a), str(tmp_path))
-    coordinator = dps.ClusterCoordinator(strategy, checkpoint_manager=manager)
+    coordinator = one_checkpointed_variable(client, tmp_path)[3]
     coordinator.schedule(_fail_first)
     _wait_for_failures(coordinator, 1)
     assert isinstance(coordinator.last_error, ValueError)

@@ -14,6 +14,7 @@ from daskps.errors import PSUnavailableError, RollbackWarning
 from .conftest import (
     kill_for_good,
     kill_worker,
+    one_checkpointed_variable,
     two_ps_training,
     wait_done,
     wait_for_recovery,
@@ -251,11 +252,7 @@ def test_no_ps_worker_in_time_fails_join_with_a_clear_error(fresh_cluster, tmp_p
     import dask.config
 
     cluster, client = fresh_cluster
-    strategy = dps.ParameterServerStrategy(client)
-    with strategy.scope():
-        a = dps.Variable(0.0, name="a")
-    manager = dps.CheckpointManager(dps.Checkpoint(a=a), str(tmp_path))
-    coordinator = dps.ClusterCoordinator(strategy, checkpoint_manager=manager)
+    strategy, a, manager, coordinator = one_checkpointed_variable(client, tmp_path)
     with dask.config.set({"daskps.recovery-timeout": "2s"}):
         kill_for_good(cluster, client, "ps-0")
         kill_for_good(cluster, client, "ps-1")
