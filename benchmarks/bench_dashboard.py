@@ -25,6 +25,13 @@ from daskps.ui.plots import PAGES
 
 CHROMIUM = "/usr/bin/chromium"
 STEPS = {"dense": 3000, "ctr": 3000, "dispatch": 20000, "small": 1500}
+# Counts the page's animation frames: Bokeh draws a plot in one, so frames/s says the page kept drawing.
+COUNT_FRAMES = """(() => {
+  let frames = 0;
+  const request = window.requestAnimationFrame.bind(window);
+  window.requestAnimationFrame = (callback) => request((t) => { frames += 1; return callback(t); });
+  Object.defineProperty(window, "daskpsFrames", {get: () => frames});
+})();"""
 
 
 @contextlib.contextmanager
@@ -34,6 +41,7 @@ def pages_open(base: str):
         tabs = []
         for route in [ROUTE, *PAGES]:
             tab = browser.new_page(viewport={"width": 1200, "height": 900})
+            tab.add_init_script(COUNT_FRAMES)
             tab.goto(base + route)
             tabs.append(tab)
         try:
@@ -49,10 +57,17 @@ def one_run(workloads: list[str], browser: bool) -> dict[str, float]:
         with dps.ParameterServerStrategy(client, variable_partitioner=partitioner) as strategy:
             coordinator = dps.ClusterCoordinator(strategy)
             base = cluster.dashboard_link.rsplit("/", 1)[0]
-            with pages_open(base) if browser else contextlib.nullcontext():
+            with pages_open(base) if browser else contextlib.nullcontext() as tabs:
                 time.sleep(2)  # the pages have loaded and refresh
+                frames = [tab.evaluate("window.daskpsFrames") for tab in tabs or []]
+                start = time.perf_counter()
                 for name in workloads:
                     out[name] = getattr(_run_daskps, f"_daskps_{name}")(strategy, coordinator, STEPS[name])
+                if tabs:
+                    seconds = time.perf_counter() - start
+                    drawn = [tab.evaluate("window.daskpsFrames") - f for tab, f in zip(tabs, frames)]
+                    print("    frames/s per page while training: "
+                          + ", ".join(f"{r.rsplit('-', 1)[-1]} {d / seconds:.1f}" for r, d in zip([ROUTE, *PAGES], drawn)))
     return out
 
 

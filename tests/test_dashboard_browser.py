@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import threading
 import time
 
@@ -88,7 +89,7 @@ def test_every_plot_page_draws_its_figures_during_training(tmp_path):
 
         base = cluster.dashboard_link.rsplit("/", 1)[0]
         assert base.startswith("http://127.0.0.1:")
-        seen = {}
+        seen, sent = {}, []  # sent: what the pages sent the dashboard back over their websockets
         with dps.summary.ScalarLogger(coordinator, None, {"loss": loss}, every_n_steps=40, examples_per_step=64,
                                       interval=0.1):
             trainer = threading.Thread(target=train, daemon=True)
@@ -97,6 +98,7 @@ def test_every_plot_page_draws_its_figures_during_training(tmp_path):
                 with sync_api.sync_playwright() as p:
                     browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
                     page = browser.new_page(viewport={"width": 1200, "height": 500})
+                    page.on("websocket", lambda ws: ws.on("framesent", lambda frame: sent.append(frame)))
                     for route, titles in FIGURES.items():
                         page.goto(base + route)
                         deadline, state = time.monotonic() + 60, None
@@ -120,6 +122,11 @@ def test_every_plot_page_draws_its_figures_during_training(tmp_path):
         assert not failures, failures
 
     assert set(FIGURES) == set(PAGES)  # every page is checked
+    # The axes follow the data in the browser: their new bounds stay there (sent back, they were two
+    # messages per figure per second for the scheduler's event loop).
+    assert sent, "no websocket frames seen"
+    bounds = [f for f in sent if isinstance(f, str) and re.search(r'"attr":\s*"(start|end)"', f)]
+    assert not bounds, bounds[:3]
     for route, titles in FIGURES.items():
         state = seen[route]
         assert state is not None and state["roots"] >= 1, route

@@ -55,6 +55,7 @@ class SeriesFigure:
         self.figure.xaxis.axis_label = "time" if x == "time" else x
         if y_label.startswith("bytes"):
             self.figure.yaxis.formatter = NumeralTickFormatter(format="0.0 b")
+        _keep_ranges_in_the_browser(self.figure)
         self.names: list[str] = []
 
     def add(self, x: float, values: dict[str, float]) -> None:
@@ -98,6 +99,7 @@ class BarFigure:
                              source=self.source, legend_label=m,
                              color=PALETTE[i % len(PALETTE)] if len(measures) > 1 else "color")
         self.figure.legend.location = "top_right"
+        _keep_ranges_in_the_browser(self.figure)
 
     def show(self, rows: list[tuple[str, str, list[float]]]) -> None:
         """``rows``: (category, colour, one value per measure). Only what changed goes to the browser:
@@ -110,6 +112,17 @@ class BarFigure:
             data[m] = [round(r[2][i], 3) for r in rows]
         if any(list(self.source.data.get(k, ())) != v for k, v in data.items()):
             self.source.data = data
+
+
+def _keep_ranges_in_the_browser(figure: Any) -> None:
+    """Keep a figure's ranges from sending their bounds back to the scheduler after every redraw.
+
+    The axes follow the data in the browser and no page reads the bounds; sent
+    back, they were two messages per figure per second for the scheduler's
+    event loop to take in, for every open page.
+    """
+    figure.x_range.syncable = False
+    figure.y_range.syncable = False
 
 
 def _rates(previous: Tick, tick: Tick, pick: Callable[[Tick], dict[str, float]]) -> dict[str, float]:
