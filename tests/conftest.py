@@ -6,6 +6,7 @@ import contextlib
 import inspect
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -40,6 +41,8 @@ _STARTS_PROCESSES = ("LocalPSCluster", "Client(", "Scheduler(", "Worker(", "dask
 def pytest_addoption(parser):
     parser.addoption("--in-process", action="store_true",
                      help="run only the tests that start no cluster and no other process")
+    parser.addoption("--and-cluster-tests-in", action="append", default=[], metavar="FILE",
+                     help="with --in-process: keep every test of FILE too (mutation testing of cluster-bound code)")
 
 
 def _starts_processes(fn, seen=None) -> bool:
@@ -75,7 +78,8 @@ def _in_process(item) -> bool:
 def pytest_collection_modifyitems(config, items):
     if not config.getoption("--in-process"):
         return
-    keep = [item for item in items if _in_process(item)]
+    files = {pathlib.Path(f).resolve() for f in config.getoption("--and-cluster-tests-in")}
+    keep = [item for item in items if _in_process(item) or pathlib.Path(str(item.path)).resolve() in files]
     config.hook.pytest_deselected(items=[item for item in items if item not in keep])
     items[:] = keep
 

@@ -3,6 +3,9 @@ layouts, embedding tables, progress, and the refusals, against numpy written fro
 
 from __future__ import annotations
 
+import collections
+import gc
+
 import numpy as np
 import pytest
 
@@ -577,3 +580,46 @@ def test_a_manager_keeps_five_checkpoints_named_ckpt_by_default(tmp_path):
     manager = dps.CheckpointManager(dps.Checkpoint(w=w), str(tmp_path))
     paths = [manager.save() for _ in range(6)]
     assert paths[0] == f"{tmp_path}/ckpt-1" and manager.checkpoints == paths[1:]
+
+
+class _Finished:
+    """A coordinator's count of finished functions, by server generation, as a recovery reads it back."""
+
+    def __init__(self):
+        self.done = 0
+
+    def count(self):
+        return collections.Counter({0: self.done})
+
+
+def test_each_save_notes_what_had_finished_then_and_rotation_forgets_dropped_checkpoints(tmp_path):
+    w = dps.Variable(np.zeros(2, np.float32))
+    manager = dps.CheckpointManager(dps.Checkpoint(w=w), str(tmp_path), max_to_keep=2)
+    finished = _Finished()
+    manager.count_finished_with(finished.count)
+    paths = []
+    for done in (3, 5, 8):
+        finished.done = done
+        paths.append(manager.save())
+    assert manager.finished_at(paths[0]) is None  # rotated away (max_to_keep=2)
+    assert manager.finished_at(paths[1]) == collections.Counter({0: 5})  # as counted when it was saved
+    assert manager.finished_at(paths[2]) == collections.Counter({0: 8})
+    assert manager.finished_at(str(tmp_path / "ckpt-99")) is None
+
+
+def test_a_bound_counter_is_held_weakly_and_a_plain_function_strongly(tmp_path):
+    w = dps.Variable(np.zeros(2, np.float32))
+    manager = dps.CheckpointManager(dps.Checkpoint(w=w), str(tmp_path), max_to_keep=None)
+    assert manager.finished_at(manager.save()) is None  # no counter: nothing noted
+    finished = _Finished()
+    finished.done = 2
+    manager.count_finished_with(finished.count)
+    first = manager.save()
+    del finished
+    gc.collect()
+    second = manager.save()  # its coordinator is gone: nothing to note
+    assert manager.finished_at(first) == collections.Counter({0: 2}) and manager.finished_at(second) is None
+    manager.count_finished_with(lambda: collections.Counter({1: 4}))
+    gc.collect()
+    assert manager.finished_at(manager.save()) == collections.Counter({1: 4})
+

@@ -74,7 +74,7 @@ class SidecarEvaluator:
     max_evaluations : int, optional
         Stop after this many evaluations (>= 1).
     poll_interval : float
-        Seconds between looks at the directory (> 0).
+        Seconds between looks at the directory (> 0; default 1).
     timeout : float, optional
         Give up (``TimeoutError``) after this many seconds without a new checkpoint.
     checkpoint_name : str
