@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -111,13 +112,24 @@ def test_mismatched_objects_are_listed_and_nothing_changes(client, tmp_path):
 
 
 def test_an_optimizer_made_outside_the_scope_is_refused_for_server_variables(client, tmp_path):
-    _, table, dense, opt, loss = build(client, 2)
+    strategy, table, dense, opt, loss = build(client, 2)
     train(table, dense, opt, loss, 2)
     path = dps.Checkpoint(table=table, dense=dense, opt=opt).write(str(tmp_path / "c"))
     outside = dps.optimizers.Adam(0.1)  # outside strategy.scope(): its state stays in this process
     before = values(table, dense, opt, loss)
-    with pytest.raises(ValueError, match=r"optimizer 'opt' .* was created outside strategy.scope\(\)"):
+    refused = (r"cannot restore from '.+'; nothing was changed: optimizer 'opt' \('.+'\) has slots for '(table|dense)', "
+               r"which lives on .+, but the optimizer was created outside strategy.scope\(\) and keeps its state "
+               r"in this process only; create it inside the scope")
+    with pytest.raises(ValueError) as info:
         dps.Checkpoint(table=table, dense=dense, opt=outside).restore(path)
+    assert re.fullmatch(refused, str(info.value)), str(info.value)
+    # Found also behind objects without slots (a metric) and an optimizer with none for these variables.
+    with strategy.scope():
+        unused = dps.optimizers.SGD(0.1, momentum=0.9)
+    path = dps.Checkpoint(loss=loss, first=unused, table=table, dense=dense, opt=opt).write(str(tmp_path / "d"))
+    with pytest.raises(ValueError) as info:
+        dps.Checkpoint(loss=loss, first=unused, table=table, dense=dense, opt=outside).restore(path)
+    assert re.fullmatch(refused, str(info.value)), str(info.value)
     after = values(table, dense, opt, loss)
     for x, y in zip(before, after):
         np.testing.assert_array_equal(x, y)

@@ -72,7 +72,7 @@ def count_ids(path: str, batches) -> dict:
         where = "local"
     seen = np.concatenate(ids)
     return {"n": len(seen), "distinct": len(np.unique(seen)), "sum": int(seen.sum()), "batches": len(ids),
-            "where": where}
+            "where": where, "path": path}
 
 
 def test_evaluates_a_from_dask_dataset_on_the_evaluator_reading_every_row_once(with_evaluator, tmp_path):
@@ -85,9 +85,10 @@ def test_evaluates_a_from_dask_dataset_on_the_evaluator_reading_every_row_once(w
     data = dps.data.from_dask(frame, batch_size=256, shuffle=True, seed=1)
     sidecar = dps.SidecarEvaluator(count_ids, str(tmp_path), with_evaluator, max_evaluations=1, poll_interval=0.01,
                                    data=data)
-    (_, metrics), = sidecar.run()
+    (path, metrics), = sidecar.run()
     assert metrics == {"n": 10_000, "distinct": 10_000, "sum": 10_000 * 9_999 // 2, "batches": 40,
-                       "where": "evaluator-0"}
+                       "where": "evaluator-0", "path": f"{tmp_path}/ckpt-1"}
+    assert path == f"{tmp_path}/ckpt-1"
     # Persisted on the evaluator: every partition lives there.
     name = sidecar._published
     held = with_evaluator.who_has([f for fs in with_evaluator.get_dataset(name) for f in fs])
@@ -114,13 +115,14 @@ def test_evaluates_a_from_dask_dataset_here_without_an_evaluator(client, tmp_pat
 
     def total(path, batches):
         got = list(batches)
-        return {"sum": int(sum(b.sum() for b in got)), "sizes": [len(b) for b in got]}
+        return {"sum": int(sum(b.sum() for b in got)), "sizes": [len(b) for b in got], "path": path}
 
     data = dps.data.from_dask(x, batch_size=128, epochs=2, drop_remainder=True)
     (_, metrics), = dps.SidecarEvaluator(total, str(tmp_path), client, max_evaluations=1, poll_interval=0.01,
                                          data=data).run()
     assert metrics["sizes"] == [128] * 14  # 7 whole batches an epoch, batched across partition ends
     assert metrics["sum"] == 2 * sum(range(896))
+    assert metrics["path"] == f"{tmp_path}/ckpt-1"
 
 
 def test_data_arguments_are_checked(client, tmp_path):
