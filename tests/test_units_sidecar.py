@@ -32,6 +32,16 @@ def _sidecar(root, calls, **kwargs):
     return dps.SidecarEvaluator(eval_fn, str(root), **kwargs)
 
 
+def _started(root, calls, **kwargs):
+    """A background evaluator, once it has evaluated its first checkpoint."""
+    sidecar = _sidecar(root, calls, **kwargs).start()
+    deadline = time.monotonic() + 30
+    while not calls:
+        assert time.monotonic() < deadline, "no evaluation in 30 s"
+        threading.Event().wait(0.01)
+    return sidecar
+
+
 def test_evaluates_the_latest_committed_checkpoint_and_stops_after_until(tmp_path):
     for n in (3, 10, 7):
         _commit(tmp_path, n)
@@ -47,9 +57,7 @@ def test_evaluates_the_latest_committed_checkpoint_and_stops_after_until(tmp_pat
 def test_until_is_reached_by_a_later_number_and_an_earlier_one_does_not_stop_it(tmp_path):
     _commit(tmp_path, 4)
     calls = []
-    sidecar = _sidecar(tmp_path, calls, until=5, timeout=30).start()
-    while not calls:
-        threading.Event().wait(0.01)
+    sidecar = _started(tmp_path, calls, until=5, timeout=30)
     assert sidecar._thread.is_alive()  # 4 < until: still watching
     _commit(tmp_path, 9)
     results = sidecar.join(timeout=30)
@@ -60,9 +68,7 @@ def test_until_is_reached_by_a_later_number_and_an_earlier_one_does_not_stop_it(
 def test_max_evaluations_counts_evaluations_and_each_number_is_evaluated_once(tmp_path):
     _commit(tmp_path, 1)
     calls = []
-    sidecar = _sidecar(tmp_path, calls, max_evaluations=2, timeout=30).start()
-    while not calls:
-        threading.Event().wait(0.01)
+    sidecar = _started(tmp_path, calls, max_evaluations=2, timeout=30)
     threading.Event().wait(0.1)  # several polls see the same checkpoint
     assert calls == [f"{tmp_path}/ckpt-1"] and sidecar._thread.is_alive()
     _commit(tmp_path, 2)
@@ -129,9 +135,7 @@ def test_the_background_run_is_a_daemon_thread_named_for_it_and_join_can_time_ou
 def test_stop_ends_a_background_run_and_join_returns_what_it_evaluated(tmp_path):
     _commit(tmp_path, 1)
     calls = []
-    sidecar = _sidecar(tmp_path, calls, until=100).start()
-    while not calls:
-        threading.Event().wait(0.01)
+    sidecar = _started(tmp_path, calls, until=100)
     sidecar.stop()
     assert sidecar.join(timeout=30) == [(f"{tmp_path}/ckpt-1", {"n": 1, "loss": 1 / 3})]
     assert not sidecar._thread.is_alive()
