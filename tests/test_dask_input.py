@@ -104,7 +104,13 @@ def test_the_end_is_stop_iteration_inside_and_out_of_range_outside(coordinator):
         coordinator.schedule(lambda i: next(i), args=(it,))
     with pytest.raises(OutOfRangeError, match="exhausted"):
         coordinator.join()
-    assert coordinator.schedule(lambda i: next(i, "end"), args=(it,)).fetch() == "end"
+    # A trainer's iterator ran out (the error); the other trainer's may still hold its own two batches
+    # when the twelve functions did not all reach it. Past them, next() gives the default there too.
+    got = [coordinator.schedule(lambda i: next(i, "end"), args=(it,)) for _ in range(8)]
+    got = [r.fetch() for r in got]
+    batches = [g for g in got if not isinstance(g, str)]
+    assert "end" in got and len(batches) <= 2, got
+    assert all(np.asarray(b).shape == (5,) for b in batches), batches
 
 
 def _transfers(client):
