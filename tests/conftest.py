@@ -79,7 +79,7 @@ def pytest_collection_modifyitems(config, items):
     if not config.getoption("--in-process"):
         return
     files = {pathlib.Path(f).resolve() for f in config.getoption("--and-cluster-tests-in")}
-    keep = [item for item in items if _in_process(item) or pathlib.Path(str(item.path)).resolve() in files]
+    keep = [item for item in items if _in_process(item) or item.path.resolve() in files]
     config.hook.pytest_deselected(items=[item for item in items if item not in keep])
     items[:] = keep
 
