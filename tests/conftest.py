@@ -86,8 +86,14 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def cluster():
-    """A 2-ps, 2-worker cluster shared by tests that do not break it."""
-    with dps.LocalPSCluster(num_ps=2, num_workers=2) as c:
+    """A 2-ps, 2-worker cluster shared by tests that do not break it.
+
+    Under mutmut (``MUTANT_UNDER_TEST`` set), or with ``DASKPS_TEST_THREAD_WORKERS=1``, its workers are threads
+    of this process: the code they run is then seen by mutmut's coverage map, and a cluster starts in a
+    fraction of the time. Tests that kill workers have clusters of their own, with processes.
+    """
+    threads = bool(os.environ.get("MUTANT_UNDER_TEST")) or os.environ.get("DASKPS_TEST_THREAD_WORKERS") == "1"
+    with dps.LocalPSCluster(num_ps=2, num_workers=2, processes=not threads) as c:
         yield c
 
 
