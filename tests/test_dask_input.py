@@ -300,3 +300,40 @@ def test_the_parquet_example_runs_and_its_loss_falls(cluster):
     assert len(held_out) == 2 and len(rounds) >= 3, out.stdout
     assert held_out[1] < 0.5 * held_out[0], out.stdout  # log(4) = 1.386 before
     assert rounds[2] < rounds[0], out.stdout
+
+
+def _trainer_and_ids(iterator):
+    batch = next(iterator, None)
+    return get_worker().name, None if batch is None else batch["id"]
+
+
+def _exactly_once_batches(coordinator, rows, shuffle, seed=3):
+    frame = dd.from_pandas(pd.DataFrame({"id": np.arange(rows)}), npartitions=7)
+    data = dps.data.from_dask(frame, batch_size=700, shuffle=shuffle, seed=seed, epochs=2, exactly_once=True)
+    it = iter(coordinator.create_per_worker_dataset(data))
+    return coordinator.fetch([coordinator.schedule(_trainer_and_ids, args=(it,)) for _ in range(70)])
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_exactly_once_without_failures_hands_every_row_out_once_per_epoch(coordinator, shuffle):
+    rows = 20_000
+    out = _exactly_once_batches(coordinator, rows, shuffle)
+    batches = [ids for _, ids in out if ids is not None]
+    assert np.array_equal(np.sort(np.concatenate(batches)), np.repeat(np.arange(rows), 2))
+    assert all(len(b) <= 700 for b in batches) and sum(len(b) == 700 for b in batches) >= len(batches) - 14
+    assert {name for name, _ in out} == {"worker-0", "worker-1"}
+    ordered = all(np.all(np.diff(b) == 1) for b in batches)
+    assert ordered != shuffle
+    if shuffle:  # the order is the seed's: the same batches again, another order each epoch, another seed's
+        as_set = sorted(tuple(b.tolist()) for b in batches)
+        assert len(set(as_set)) == len(as_set)  # no batch of the second epoch repeats one of the first
+        again = sorted(tuple(ids.tolist()) for _, ids in _exactly_once_batches(coordinator, rows, True) if ids is not None)
+        other = sorted(tuple(ids.tolist()) for _, ids in _exactly_once_batches(coordinator, rows, True, seed=4)
+                       if ids is not None)
+        assert again == as_set and other != as_set
+
+    def remembered(dask_scheduler):  # batches the scheduler keeps for functions that might run again
+        return sum(len(q.given) for ledger in dask_scheduler.plugins["daskps"].inputs.values()
+                   for q in ledger.queues.values())
+
+    assert coordinator.strategy.client.run_on_scheduler(remembered) == 0  # all reported: none kept

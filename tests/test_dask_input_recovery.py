@@ -117,26 +117,6 @@ def test_a_trainer_that_joins_takes_partitions_of_the_next_epochs(fresh_cluster)
     assert seen.get("worker-2", 0) >= 3, f"the new trainer read nothing: {seen}"
 
 
-@pytest.mark.parametrize("shuffle", [False, True])
-def test_exactly_once_without_failures_hands_every_row_out_once_per_epoch(coordinator, shuffle):
-    rows = 20_000
-    data = dps.data.from_dask(_frame(rows, 7), batch_size=700, shuffle=shuffle, seed=3, epochs=2, exactly_once=True)
-    it = iter(coordinator.create_per_worker_dataset(data))
-    out = coordinator.fetch([coordinator.schedule(_read_slowly, args=(it, 0.0)) for _ in range(70)])
-    batches = [ids for _, ids in out if ids is not None]
-    assert np.array_equal(np.sort(np.concatenate(batches)), np.repeat(np.arange(rows), 2))
-    assert all(len(b) <= 700 for b in batches) and sum(len(b) == 700 for b in batches) >= len(batches) - 14
-    assert {name for name, _ in out} == {"worker-0", "worker-1"}
-    ordered = all(np.all(np.diff(b) == 1) for b in batches)
-    assert ordered != shuffle
-
-    def remembered(dask_scheduler):  # batches the scheduler keeps for functions that might run again
-        return sum(len(q.given) for ledger in dask_scheduler.plugins["daskps"].inputs.values()
-                   for q in ledger.queues.values())
-
-    assert coordinator.strategy.client.run_on_scheduler(remembered) == 0  # all reported: none kept
-
-
 def test_exactly_once_survives_a_trainer_sigkilled_mid_pass(fresh_cluster):
     cluster, client = fresh_cluster
     coordinator = dps.ClusterCoordinator(dps.ParameterServerStrategy(client))

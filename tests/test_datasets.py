@@ -162,3 +162,30 @@ def test_worker_that_joins_later_builds_its_own(fresh_cluster, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def _datasets_built_here(dask_worker):
+    from daskps.ps.worker_state import existing_part
+
+    state = existing_part(dask_worker, "datasets")
+    return sorted(state.datasets) if state is not None else []
+
+
+def test_closing_a_strategy_forgets_its_datasets_on_every_trainer_before_close_returns(client):
+    kept = dps.ClusterCoordinator(dps.ParameterServerStrategy(client))  # another strategy's: not forgotten
+    strategy = dps.ParameterServerStrategy(client)
+    coordinator = dps.ClusterCoordinator(strategy)
+    datasets = {c: c.create_per_worker_dataset(lambda: iter(range(1000))) for c in (kept, coordinator)}
+    for c, dataset in datasets.items():
+        it = iter(dataset)
+        deadline = time.monotonic() + 60
+        while len({name for name, _ in c.fetch([c.schedule(_where_and_next, args=(it,)) for _ in range(8)])}) < 2:
+            assert time.monotonic() < deadline, "one trainer ran every function"
+    ids = {c: d._spec.dataset_id for c, d in datasets.items()}
+    trainers = set(cluster_workers(client)) - set(strategy.cluster_resolver.cluster_spec()["ps"])
+    built = client.run(_datasets_built_here, workers=list(trainers))
+    assert all(set(ids.values()) <= set(names) for names in built.values()), built
+    strategy.close()
+    built = client.run(_datasets_built_here, workers=list(trainers))  # at once: close() waited for them
+    assert all(names == [ids[kept]] for names in built.values()), built
+    kept.strategy.close()

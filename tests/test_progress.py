@@ -80,3 +80,38 @@ def test_the_bar_is_tqdms_where_tqdm_is_installed_and_daskps_own_on_request():
     with dask.config.set({"daskps.progress-bar": "tqdm-please"}):
         with pytest.raises(ValueError, match="daskps.progress-bar must be 'auto' or 'builtin', got 'tqdm-please'"):
             ProgressBar("training", 40, "steps", file=io.StringIO(), notebook=False)
+
+
+def test_metric_text_reads_result_before_calling_and_names_an_unreadable_metric():
+    from daskps.coordinator.progress import _metric_text
+
+    class Both:  # a metric object that is also callable: its result() is what is shown
+        def result(self):
+            return 0.123456
+
+        def __call__(self):
+            return 99.0
+
+    def broken():
+        raise KeyError("not yet")
+
+    assert _metric_text(None) == "" and _metric_text({}) == ""
+    assert _metric_text({"loss": Both(), "lr": lambda: 0.001, "bad": broken}) == "loss=0.1235 lr=0.001 bad=<KeyError>"
+
+
+def test_progress_labels_its_bar_training_and_draws_it_where_asked(strategy, coordinator, capsys):
+    import dask.config
+
+    for _ in range(4):
+        coordinator.schedule(lambda: None)
+    out = io.StringIO()
+    with dask.config.set({"daskps.progress-bar": "builtin"}):
+        bar = dps.progress(coordinator, interval=0.01, file=out, notebook=False)
+    assert bar.last.startswith("training [") and out.getvalue().startswith("\rtraining [")
+    for _ in range(4):
+        coordinator.schedule(lambda: None)
+    out = io.StringIO()
+    with dask.config.set({"daskps.progress-bar": "builtin"}):
+        bar = dps.progress(coordinator, interval=0.01, file=out, notebook=True)  # the HTML form, not the file
+    assert out.getvalue() == "" and bar.last.startswith("training [") and "4/4 steps" in bar.last
+    assert "IPython.core.display.HTML" in capsys.readouterr().out  # shown by display(): outside IPython, its repr

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import linecache
 import pathlib
 import struct
+import sys
+import threading
 import time
 
 import numpy as np
 import pytest
 
 import daskps as dps
+from daskps.coordinator import summary as scalar_logging
 
 event_pb2 = pytest.importorskip("tensorboardX.proto.event_pb2")  # tensorboardX is in the test extra
 
@@ -136,3 +140,98 @@ def test_bad_arguments_are_refused_by_name(coordinator, tmp_path, kwargs, error,
 def test_coordinator_must_be_a_coordinator(tmp_path):
     with pytest.raises(TypeError, match="coordinator must be a ClusterCoordinator, got str"):
         dps.summary.ScalarLogger("coordinator", tmp_path)
+
+
+class _Rows:
+    """A writer of one's own: the scalars it was given, in order."""
+
+    def __init__(self, failures: int = 0):
+        self.rows: list[tuple[str, float, int]] = []
+        self.failures, self.flushed = failures, 0
+
+    def add_scalar(self, tag, value, step):
+        if self.failures:
+            self.failures -= 1
+            raise OSError("disk full")
+        self.rows.append((tag, value, step))
+
+    def flush(self):
+        if self.failures:
+            raise OSError("disk full")
+        self.flushed += 1
+
+
+def _run(coordinator, n):
+    for _ in range(n):
+        coordinator.schedule(lambda: None)
+    coordinator.join()
+
+
+def test_poll_writes_once_per_n_completed_functions_and_says_so(coordinator):
+    writer = _Rows()
+    logger = dps.summary.ScalarLogger(coordinator, writer, every_n_steps=4)
+    assert logger.poll() is False and writer.rows == []  # nothing completed
+    _run(coordinator, 3)
+    assert logger.poll() is False and writer.rows == []  # 3 of 4
+    _run(coordinator, 1)
+    assert logger.poll() is True and {step for _, _, step in writer.rows} == {4}
+    assert logger.poll() is False and logger.steps == [4]  # written at 4 already
+    _run(coordinator, 5)
+    assert logger.poll() is True and logger.steps == [4, 9]  # two boundaries crossed: one write, at 9
+    assert writer.flushed == 2
+
+
+def test_throughput_is_functions_completed_over_the_seconds_since_the_last_write(coordinator):
+    _run(coordinator, 3)  # the logger counts from the 3 done when it is made
+    writer = _Rows()
+    started = time.monotonic()
+    logger = dps.summary.ScalarLogger(coordinator, writer, every_n_steps=100)
+    _run(coordinator, 10)
+    logger.write(13)
+    elapsed = time.monotonic() - started
+    (rate,) = [value for tag, value, _ in writer.rows if tag == "daskps/functions_per_second"]
+    assert rate >= 10 / elapsed  # 10 functions in at most ``elapsed`` seconds
+    assert [value for tag, value, _ in writer.rows if tag == "daskps/failed"] == [0.0]
+    assert "daskps/examples_per_second" not in {tag for tag, _, _ in writer.rows}  # no examples_per_step given
+
+
+def test_a_writer_that_fails_warns_once_and_logging_goes_on(coordinator):
+    writer = _Rows(failures=1)
+    with pytest.warns(RuntimeWarning) as warned:
+        logger = dps.summary.ScalarLogger(coordinator, writer, every_n_steps=2, interval=0.01).start()
+        _run(coordinator, 2)
+        deadline = time.monotonic() + 30
+        while not warned.list and time.monotonic() < deadline:
+            time.sleep(0.01)
+        writer.failures = 3  # fails again, three times: no second warning
+        _run(coordinator, 2)
+        while writer.failures and time.monotonic() < deadline:
+            time.sleep(0.01)
+        _run(coordinator, 2)
+        while not logger.steps and time.monotonic() < deadline:
+            time.sleep(0.01)
+        logger.stop()
+    assert [str(w.message) for w in warned] == [
+        "ScalarLogger: could not write scalars (OSError: disk full); it goes on trying"]
+    assert warned[0].filename == scalar_logging.__file__  # said where the logger called the writer
+    assert "self._guarded(" in linecache.getline(warned[0].filename, warned[0].lineno)
+    assert logger.steps and logger.steps[-1] == 6 and ("daskps/failed", 0.0, 6) in writer.rows  # written after
+
+
+def test_the_logger_runs_in_one_daemon_thread_named_for_it(coordinator):
+    logger = dps.summary.ScalarLogger(coordinator, None, every_n_steps=1, interval=0.01)
+    assert logger.start() is logger
+    thread = logger._thread
+    assert logger.start() is logger and logger._thread is thread  # started once
+    named = [t for t in threading.enumerate() if t.name == "daskps-scalar-logger"]
+    assert named == [thread] and thread.daemon
+    logger.stop()
+    assert not thread.is_alive()
+
+
+def test_without_tensorboardx_the_error_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # as if not installed: importing it fails
+    with pytest.raises(ImportError) as err:
+        dps.summary.create_file_writer(tmp_path)
+    assert str(err.value) == scalar_logging.TENSORBOARD_MISSING
+    assert 'pip install ".[tensorboard]"' in str(err.value) and "add_scalar(tag, value, step)" in str(err.value)
