@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import dask.config
 import numpy as np
 import pytest
@@ -48,6 +50,24 @@ def test_coordinator_html_counts_and_last_error(strategy, coordinator):
     assert (summary["done"] - before["done"], summary["failed"] - before["failed"], summary["in_flight"]) == (5, 1, 0)
     assert "ZeroDivisionError" in page and "done/s" in page
     assert f"<td>{summary['done']}</td><td>{summary['failed']}</td>" in page  # the counts, in their columns
+
+
+def test_coordinator_repr_counts_what_it_scheduled_and_how_each_ended(strategy, coordinator):
+    assert repr(coordinator) == "<ClusterCoordinator scheduled=0 pending=0 done=0 failed=0 cancelled=0>"
+    for _ in range(3):
+        coordinator.schedule(lambda: None)
+    coordinator.schedule(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        coordinator.join()
+    assert repr(coordinator) == "<ClusterCoordinator scheduled=4 pending=0 done=3 failed=1 cancelled=0>"
+    for _ in range(40):
+        coordinator.schedule(time.sleep, args=(0.05,))
+    pending = coordinator.cancel()
+    assert pending > 0
+    s = coordinator.summary()
+    assert repr(coordinator) == (f"<ClusterCoordinator scheduled=44 pending={s['in_flight']} done={s['done']} "
+                                 f"failed=1 cancelled={s['cancelled']}>")
+    assert s["cancelled"] > 0 and s["done"] + s["cancelled"] + s["in_flight"] == 43
 
 
 def test_lost_server_shows_as_such_without_hanging(fresh_cluster):
