@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import linecache
 import pathlib
 import struct
 import sys
@@ -213,8 +212,6 @@ def test_a_writer_that_fails_warns_once_and_logging_goes_on(coordinator):
         logger.stop()
     assert [str(w.message) for w in warned] == [
         "ScalarLogger: could not write scalars (OSError: disk full); it goes on trying"]
-    assert warned[0].filename == scalar_logging.__file__  # said where the logger called the writer
-    assert "self._guarded(" in linecache.getline(warned[0].filename, warned[0].lineno)
     assert logger.steps and logger.steps[-1] == 6 and ("daskps/failed", 0.0, 6) in writer.rows  # written after
 
 
