@@ -189,3 +189,27 @@ def test_closing_a_strategy_forgets_its_datasets_on_every_trainer_before_close_r
     built = client.run(_datasets_built_here, workers=list(trainers))  # at once: close() waited for them
     assert all(ids[coordinator] not in names and ids[kept] in names for names in built.values()), built
     kept.strategy.close()
+
+
+def _index_among(worker_names):
+    from daskps.coordinator.datasets import local_worker_index
+
+    return local_worker_index(worker_names)
+
+
+@pytest.mark.parametrize("names, expected", [
+    (("worker-0", "worker-1"), {"worker-0": 0, "worker-1": 1}),  # known by name: its place
+    (("worker-0",), {"worker-0": 0, "worker-1": 1}),  # a newcomer, no place free: after the known ones
+    (("gone",), {"worker-0": 0, "worker-1": 2}),  # newcomers in name order: the first takes the free place
+    (("worker-1", "gone"), {"worker-0": 1, "worker-1": 0}),  # a newcomer takes the place of one not alive
+    (("gone-a", "gone-b", "worker-1"), {"worker-0": 0, "worker-1": 2}),
+    ((), {"worker-0": 0, "worker-1": 1}),
+])
+def test_a_trainers_index_among_names_it_may_not_be_in(client, names, expected):
+    """Parameter servers are not trainers: only workers with a trainer's resources are counted as alive."""
+    trainers = {info["name"]: addr for addr, info in cluster_workers(client).items()
+                if str(info["name"]).startswith("worker-")}
+    assert set(trainers) == {"worker-0", "worker-1"}
+    got = {name: client.submit(_index_among, names, workers=[addr], pure=False).result(timeout=60)
+           for name, addr in trainers.items()}
+    assert got == expected

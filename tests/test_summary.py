@@ -13,6 +13,7 @@ import pytest
 
 import daskps as dps
 from daskps.coordinator import summary as scalar_logging
+from daskps.ps.plugin import METRICS_TOPIC
 
 event_pb2 = pytest.importorskip("tensorboardX.proto.event_pb2")  # tensorboardX is in the test extra
 
@@ -127,7 +128,13 @@ def test_a_writer_of_ones_own_and_a_metric_that_cannot_be_read(coordinator):
     ({"examples_per_step": -1}, ValueError, "examples_per_step must be a positive number or None, got -1"),
     ({"interval": 0}, ValueError, "interval must be a positive number of seconds, got 0"),
     ({"metrics": {"loss": 3}}, TypeError, "metrics must map tags .str. to dps.metrics objects"),
-    ({"logdir": 5}, TypeError, "logdir must be a directory, a writer with add_scalar.tag, value, step. or None"),
+    ({"logdir": 5}, TypeError, r"logdir must be a directory, a writer with add_scalar\(tag, value, step\) or None, "
+                               r"got int$"),
+    ({"examples_per_step": 0}, ValueError, "examples_per_step must be a positive number or None, got 0$"),
+    ({"examples_per_step": True}, ValueError, "examples_per_step must be a positive number or None, got True$"),
+    ({"interval": True}, ValueError, "interval must be a positive number of seconds, got True$"),
+    ({"metrics": {"loss": 3}}, TypeError, r"metrics must map tags \(str\) to dps.metrics objects or functions of no "
+                                          r"arguments; got 'loss': int$"),
 ])
 def test_bad_arguments_are_refused_by_name(coordinator, tmp_path, kwargs, error, text):
     args = {"logdir": tmp_path, **kwargs}
@@ -185,11 +192,13 @@ def test_throughput_is_functions_completed_over_the_seconds_since_the_last_write
     writer = _Rows()
     started = time.monotonic()
     logger = dps.summary.ScalarLogger(coordinator, writer, every_n_steps=100)
+    made = time.monotonic()
     _run(coordinator, 10)
+    before_write = time.monotonic()
     logger.write(13)
     elapsed = time.monotonic() - started
     (rate,) = [value for tag, value, _ in writer.rows if tag == "daskps/functions_per_second"]
-    assert rate >= 10 / elapsed  # 10 functions in at most ``elapsed`` seconds
+    assert 10 / elapsed <= rate <= 10 / (before_write - made)  # 10 functions in between these two spans
     assert [value for tag, value, _ in writer.rows if tag == "daskps/failed"] == [0.0]
     assert "daskps/examples_per_second" not in {tag for tag, _, _ in writer.rows}  # no examples_per_step given
 
@@ -232,3 +241,47 @@ def test_without_tensorboardx_the_error_says_what_to_install(tmp_path, monkeypat
         dps.summary.create_file_writer(tmp_path)
     assert str(err.value) == scalar_logging.TENSORBOARD_MISSING
     assert 'pip install ".[tensorboard]"' in str(err.value) and "add_scalar(tag, value, step)" in str(err.value)
+
+
+def test_what_is_accepted_and_the_defaults(coordinator):
+    class ResultOnly:  # a metric object that is not itself callable
+        def result(self):
+            return 1.5
+
+    writer = _Rows()
+    logger = dps.summary.ScalarLogger(coordinator, writer, {"m": ResultOnly()}, examples_per_step=0.5)
+    assert (logger.every_n_steps, logger.interval) == (100, 0.2)
+    _run(coordinator, 99)
+    assert logger.poll() is False
+    _run(coordinator, 1)
+    assert logger.poll() is True and logger.steps == [100] and ("m", 1.5, 100) in writer.rows
+    (rate,) = [v for tag, v, _ in writer.rows if tag == "daskps/functions_per_second"]
+    assert ("daskps/examples_per_second", rate * 0.5, 100) in writer.rows
+
+
+def test_stopping_with_nothing_new_writes_nothing_and_a_bad_metric_warns_once(coordinator):
+    writer = _Rows()
+    dps.summary.ScalarLogger(coordinator, writer, every_n_steps=1).stop()  # nothing completed meanwhile
+    assert writer.rows == [] and writer.flushed == 1
+
+    def broken():
+        raise RuntimeError("no value yet")
+
+    logger = dps.summary.ScalarLogger(coordinator, writer, {"bad": broken}, every_n_steps=1)
+    with pytest.warns(RuntimeWarning) as warned:
+        for _ in range(2):
+            _run(coordinator, 1)
+            assert logger.poll() is True
+    assert [str(w.message) for w in warned] == [
+        "ScalarLogger: metric 'bad' could not be read (RuntimeError: no value yet); it is left out"]
+
+
+def test_the_values_also_reach_the_scheduler_for_the_dashboard(strategy, coordinator):
+    logger = dps.summary.ScalarLogger(coordinator, None, {"seven": lambda: 7}, every_n_steps=2)
+    _run(coordinator, 2)
+    assert logger.poll() is True
+    events = [e for _, e in strategy.client.get_events(METRICS_TOPIC) if e["strategy"] == strategy.token]
+    assert len(events) == 1 and events[0]["step"] == 2 and type(events[0]["step"]) is int
+    values = events[0]["values"]
+    assert set(values) == {"daskps/functions_per_second", "daskps/failed", "seven"}
+    assert values["seven"] == 7.0 and values["daskps/failed"] == 0.0 and values["daskps/functions_per_second"] > 0
