@@ -213,3 +213,15 @@ def test_a_trainers_index_among_names_it_may_not_be_in(client, names, expected):
     got = {name: client.submit(_index_among, names, workers=[addr], pure=False).result(timeout=60)
            for name, addr in trainers.items()}
     assert got == expected
+
+
+def test_reprs_name_the_dataset_and_get_next_is_next(coordinator):
+    dataset = coordinator.create_per_worker_dataset(lambda: iter(range(10)))
+    short = dataset._spec.dataset_id[:8]
+    assert repr(dataset) == f"PerWorkerDataset(id={short}, iterators=0)"
+    first, second = iter(dataset), iter(dataset)
+    assert repr(dataset) == f"PerWorkerDataset(id={short}, iterators=2)"
+    assert repr(second) == f"PerWorkerIterator(dataset={short}, iterator=2)"
+    with pytest.raises(NotScheduledError):
+        first.get_next()
+    assert coordinator.fetch(coordinator.schedule(lambda it: it.get_next(), args=(first,))) == 0

@@ -48,8 +48,14 @@ class _NeedsTwo(Exception):
 def test_an_error_that_cannot_be_rebuilt_arrives_as_runtime_error_with_its_text():
     with pytest.raises(TypeError):
         pickle.loads(pickle.dumps(_NeedsTwo(1, 2)))  # pickles, but does not unpickle
-    error = load_error(_pickled_error(_NeedsTwo(1, 2)))
+    try:
+        raise _NeedsTwo(1, 2)
+    except _NeedsTwo as exc:
+        caught = exc
+        expected = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    error = load_error(_pickled_error(caught))
     assert type(error) is RuntimeError and str(error) == "_NeedsTwo: 1 and 2"
+    assert error.__notes__ == [f"raised in a scheduled function on a worker:\n{expected}"]  # the worker's own
 
 
 def test_per_worker_values_refuse_none_and_non_sequences_by_name():
