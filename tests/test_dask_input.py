@@ -337,3 +337,27 @@ def test_exactly_once_without_failures_hands_every_row_out_once_per_epoch(coordi
                    for q in ledger.queues.values())
 
     assert coordinator.strategy.client.run_on_scheduler(remembered) == 0  # all reported: none kept
+
+
+def _ledger_ahead(name, dask_scheduler):
+    """The partitions the streaming ledger ``name`` handed each trainer that it has not said it started."""
+    ledger = dask_scheduler.plugins["daskps"].inputs[name]
+    return {it: {trainer: sorted(parts) for trainer, parts in st.ahead.items()} for it, st in ledger.streams.items()}
+
+
+def test_a_trainer_tells_the_ledger_what_it_started_without_being_asked(client, coordinator):
+    """So that a trainer that dies leaves to the others only what it had not started (read ahead, held)."""
+    frame = dd.from_pandas(pd.DataFrame({"id": np.arange(2000)}), npartitions=20)  # 100 rows a partition
+    names_before = set(client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.plugins["daskps"].inputs)))
+    ds = coordinator.create_per_worker_dataset(dps.data.from_dask(frame, batch_size=100))
+    name = next(n for n in client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.plugins["daskps"].inputs))
+                if n not in names_before)
+    it = iter(ds)
+    started: dict[str, set] = {}
+    for trainer, _, batch in coordinator.fetch([coordinator.schedule(_where_and_next, args=(it,)) for _ in range(6)]):
+        started.setdefault(trainer, set()).update((batch["id"] // 100).tolist())  # one partition a batch
+    time.sleep(1.0)  # twenty times the notes' period, and no more reads: only the notes can have told it
+    ahead = client.run_on_scheduler(_ledger_ahead, name)[1]
+    for trainer, parts in started.items():
+        assert not set(ahead[trainer]) & parts, (trainer, parts, ahead)  # started: told
+        assert ahead[trainer], ahead  # handed ahead, not started yet: held for it
