@@ -128,6 +128,14 @@ def worker_address(client: Client, name: str) -> str:
     raise LookupError(name)
 
 
+def datasets_built(dask_worker) -> list[str]:
+    """The ids of the per-worker datasets built on ``dask_worker`` (run it with ``client.run``)."""
+    from daskps.ps.worker_state import existing_part
+
+    state = existing_part(dask_worker, "datasets")
+    return sorted(state.datasets) if state is not None else []
+
+
 def kill_worker(client: Client, name: str) -> str:
     """SIGKILL the worker process called ``name``; return its old address."""
     addr = worker_address(client, name)

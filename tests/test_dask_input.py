@@ -339,6 +339,10 @@ def test_exactly_once_without_failures_hands_every_row_out_once_per_epoch(coordi
     assert coordinator.strategy.client.run_on_scheduler(remembered) == 0  # all reported: none kept
 
 
+def _ledgers(dask_scheduler):
+    return list(dask_scheduler.plugins["daskps"].inputs)
+
+
 def _ledger_ahead(name, dask_scheduler):
     """The partitions the streaming ledger ``name`` handed each trainer that it has not said it started."""
     ledger = dask_scheduler.plugins["daskps"].inputs[name]
@@ -348,10 +352,9 @@ def _ledger_ahead(name, dask_scheduler):
 def test_a_trainer_tells_the_ledger_what_it_started_without_being_asked(client, coordinator):
     """So that a trainer that dies leaves to the others only what it had not started (read ahead, held)."""
     frame = dd.from_pandas(pd.DataFrame({"id": np.arange(2000)}), npartitions=20)  # 100 rows a partition
-    names_before = set(client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.plugins["daskps"].inputs)))
+    before = set(client.run_on_scheduler(_ledgers))
     ds = coordinator.create_per_worker_dataset(dps.data.from_dask(frame, batch_size=100))
-    name = next(n for n in client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.plugins["daskps"].inputs))
-                if n not in names_before)
+    (name,) = set(client.run_on_scheduler(_ledgers)) - before
     it = iter(ds)
     started: dict[str, set] = {}
     for trainer, _, batch in coordinator.fetch([coordinator.schedule(_where_and_next, args=(it,)) for _ in range(6)]):

@@ -13,7 +13,7 @@ import daskps as dps
 from daskps.distribute.cluster import cluster_workers
 from daskps.errors import NotScheduledError, OutOfRangeError
 
-from .conftest import kill_worker, wait_for_worker
+from .conftest import datasets_built, kill_worker, wait_for_worker
 
 
 def _next(iterator):
@@ -164,13 +164,6 @@ def test_worker_that_joins_later_builds_its_own(fresh_cluster, tmp_path):
         proc.wait(timeout=30)
 
 
-def _datasets_built_here(dask_worker):
-    from daskps.ps.worker_state import existing_part
-
-    state = existing_part(dask_worker, "datasets")
-    return sorted(state.datasets) if state is not None else []
-
-
 def test_closing_a_strategy_forgets_its_datasets_on_every_trainer_before_close_returns(client):
     kept = dps.ClusterCoordinator(dps.ParameterServerStrategy(client))  # another strategy's: not forgotten
     strategy = dps.ParameterServerStrategy(client)
@@ -183,10 +176,10 @@ def test_closing_a_strategy_forgets_its_datasets_on_every_trainer_before_close_r
             assert time.monotonic() < deadline, "one trainer ran every function"
     ids = {c: d._spec.dataset_id for c, d in datasets.items()}
     trainers = set(cluster_workers(client)) - set(strategy.cluster_resolver.cluster_spec()["ps"])
-    built = client.run(_datasets_built_here, workers=list(trainers))
+    built = client.run(datasets_built, workers=list(trainers))
     assert all(set(ids.values()) <= set(names) for names in built.values()), built
     strategy.close()
-    built = client.run(_datasets_built_here, workers=list(trainers))  # at once: close() waited for them
+    built = client.run(datasets_built, workers=list(trainers))  # at once: close() waited for them
     assert all(ids[coordinator] not in names and ids[kept] in names for names in built.values()), built
     kept.strategy.close()
 

@@ -15,7 +15,7 @@ import daskps as dps
 from daskps.distribute.cluster import cluster_workers
 from daskps.errors import ClosedError
 
-from .conftest import kill_worker, worker_address
+from .conftest import datasets_built, kill_worker, worker_address
 
 
 def actor_keys(client: Client) -> set[str]:
@@ -276,13 +276,6 @@ def test_handles_that_die_with_the_function_cost_no_round_trip(strategy, coordin
 
 
 # -- per-worker datasets ---------------------------------------------------------------------
-def _dataset_state(dask_worker):
-    from daskps.ps.worker_state import existing_part
-
-    state = existing_part(dask_worker, "datasets")
-    return sorted(state.datasets) if state is not None else []
-
-
 def test_datasets_are_built_on_trainers_only_and_forgotten_when_dropped(client):
     strategy = dps.ParameterServerStrategy(client)
     coordinator = dps.ClusterCoordinator(strategy)
@@ -295,12 +288,12 @@ def test_datasets_are_built_on_trainers_only_and_forgotten_when_dropped(client):
     # nothing per dataset registered with the scheduler: only daskps' one worker plugin of the cluster
     assert [p for p in plugins if "daskps" in str(p)] == ["daskps-worker"]
     ps = set(strategy.cluster_resolver.cluster_spec()["ps"])
-    built = client.run(_dataset_state)
+    built = client.run(datasets_built)
     assert all(dataset._spec.dataset_id not in built[a] for a in ps)
     assert any(dataset._spec.dataset_id in ids for ids in built.values())
     dataset_id = dataset._spec.dataset_id
     del dataset, it
-    wait_until(lambda: all(dataset_id not in ids for ids in client.run(_dataset_state).values()),
+    wait_until(lambda: all(dataset_id not in ids for ids in client.run(datasets_built).values()),
                what="dataset forgotten on the workers")
     assert sum(s["blob_nbytes"] for s in strategy.ps_stats()) == 0
 
@@ -324,7 +317,7 @@ def test_three_80_mb_datasets_made_and_dropped(fresh_cluster):
         coordinator.join()
         assert {r.fetch() for r in results} == {float(round_)}
         del dataset, it, results, big, dataset_fn
-        wait_until(lambda: not any(client.run(_dataset_state).values()), what="dataset forgotten")
+        wait_until(lambda: not any(client.run(datasets_built).values()), what="dataset forgotten")
     end = rss(client, everyone)
     for addr in everyone:
         grown = end[addr] - start[addr]
@@ -350,7 +343,7 @@ def test_close_releases_servers_datasets_and_an_owned_client(cluster):
         strategy.close()
         assert client.status == "closed"
         wait_until(lambda: not any(token in k for k in actor_keys(observer)), what="servers released")
-        left = observer.run(_dataset_state)
+        left = observer.run(datasets_built)
         assert not any(ids for ids in left.values()), left
     uses = [
         lambda: v.numpy(), lambda: v.assign([2.0]), lambda: opt.apply_gradients([(np.ones(1, np.float32), v)]),
@@ -452,9 +445,9 @@ def test_trainers_forget_datasets_when_the_coordinator_goes_without_closing(clus
             coordinator.schedule(lambda it: next(it), args=(it,))
         coordinator.join()
         dataset_id = dataset._spec.dataset_id
-        assert any(dataset_id in ids for ids in observer.run(_dataset_state).values())
+        assert any(dataset_id in ids for ids in observer.run(datasets_built).values())
         client.close()  # no strategy.close(), no drop: the scheduler releases the client's actors
-        wait_until(lambda: all(dataset_id not in ids for ids in observer.run(_dataset_state).values()),
+        wait_until(lambda: all(dataset_id not in ids for ids in observer.run(datasets_built).values()),
                    what="trainers forgot the dataset")
 
 
