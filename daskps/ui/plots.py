@@ -325,7 +325,8 @@ def make_app(kind: type[Page]) -> Callable[[Any, Any, Any], None]:
             if plugin is None:
                 note.text = "<p>No parameter servers yet: create a ParameterServerStrategy on this cluster.</p>"
                 return
-            note.text = ""
+            if note.text:  # a Bokeh property set, even to its own value, costs the scheduler's event loop
+                note.text = ""
             page.update(plugin.timeline)
 
         doc.title = page.title
