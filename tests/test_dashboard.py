@@ -142,3 +142,29 @@ def test_servers_of_two_strategies_keep_their_own_lines():
     assert set(servers) == {"ps-0 (aaaaaaaa)", "ps-0 (bbbbbbbb)"}
     assert servers["ps-0 (aaaaaaaa)"][1] == 7 and servers["ps-0 (bbbbbbbb)"][1] == 100
     assert {server for _, server, _, _ in timeline.tables.values()} == {"ps-0 (aaaaaaaa)", "ps-0 (bbbbbbbb)"}
+
+
+def test_a_plot_page_says_there_are_no_servers_until_the_plugin_is_there():
+    """A plot page opened on a scheduler no strategy has used says so, and stops saying it once one has."""
+    from bokeh.document import Document
+    from distributed import LocalCluster
+
+    from daskps.ps.plugin import PLUGIN_NAME, DaskPSSchedulerPlugin
+    from daskps.ui.plots import ThroughputPage, make_app
+
+    with LocalCluster(n_workers=0, processes=False, protocol="tcp://", host="127.0.0.1",
+                      dashboard_address="127.0.0.1:0") as cluster:
+        scheduler = cluster.scheduler
+        doc = Document()
+        make_app(ThroughputPage)(scheduler, {}, doc)
+        note = doc.roots[0].children[0]
+
+        def refresh():
+            for callback in doc.session_callbacks:
+                callback.callback()
+
+        refresh()
+        assert note.text == "<p>No parameter servers yet: create a ParameterServerStrategy on this cluster.</p>"
+        scheduler.add_plugin(DaskPSSchedulerPlugin(scheduler), name=PLUGIN_NAME)
+        refresh()
+        assert note.text == ""
