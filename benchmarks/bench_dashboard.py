@@ -4,7 +4,9 @@ Each round runs the workloads on a fresh ``LocalPSCluster`` twice, once with
 a headless Chromium (Debian's ``/usr/bin/chromium``, driven by Playwright)
 holding every daskps page open in its own tab (the tables page and the five
 plot pages, each refreshed every second) and once without, the order
-alternating between rounds. Prints the best of each and the ratio.
+alternating between rounds. Prints the best of each, their ratio and the
+median of each round's own ratio (pages open / none), and while the pages
+are open, how often each page drew and how much CPU the browser used.
 
 By default the browser gets a core of its own (the last one) and the
 cluster, the coordinator and the scheduler the others, in both arms: a user's
@@ -52,8 +54,25 @@ def pin_this_process(cores: set[int]) -> None:
         os.sched_setaffinity(int(tid), cores)
 
 
-def _browser_processes() -> list[psutil.Process]:
-    return [c for c in psutil.Process().children(recursive=True) if "chrom" in c.name()]
+def _descendants() -> dict[int, psutil.Process]:
+    return {c.pid: c for c in psutil.Process().children(recursive=True)}
+
+
+def _thread_cores(process: psutil.Process) -> set[frozenset[int]]:
+    """The cores each thread of ``process`` may run on (one entry per distinct set)."""
+    out = set()
+    for tid in os.listdir(f"/proc/{process.pid}/task"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            out.add(frozenset(os.sched_getaffinity(int(tid))))
+    return out
+
+
+def _check_placement(processes: list[psutil.Process], cores: set[int], what: str) -> None:
+    for process in processes:
+        with contextlib.suppress(psutil.Error, FileNotFoundError):
+            where = _thread_cores(process)
+            if where != {frozenset(cores)}:
+                raise RuntimeError(f"{what}: {process.name()} ({process.pid}) has threads on {where}, not {cores}")
 
 
 def _cpu_seconds(processes: list[psutil.Process]) -> float:
@@ -67,13 +86,16 @@ def _cpu_seconds(processes: list[psutil.Process]) -> float:
 
 @contextlib.contextmanager
 def pages_open(base: str, core: int | None = None):
-    """Every daskps page in its own tab; with ``core``, the browser (and Playwright's driver) on that core alone."""
+    """Every daskps page in its own tab; yields (tabs, the processes Playwright started: its driver, the
+    browser). With ``core``, those run on that core alone, and every thread of the cluster's processes
+    started before them on the other cores (checked)."""
     cores = os.sched_getaffinity(0)
+    cluster_side = list(_descendants().values())
     if core is not None:
         os.sched_setaffinity(0, {core})  # this thread only: the driver and the browser it starts inherit it
     try:
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
             tabs = []
             for route in [ROUTE, *PAGES]:
                 tab = browser.new_page(viewport={"width": 1200, "height": 900})
@@ -81,11 +103,14 @@ def pages_open(base: str, core: int | None = None):
                 tab.goto(base + route)
                 tabs.append(tab)
             os.sched_setaffinity(0, cores)
+            browser_side = [p for pid, p in _descendants().items() if pid not in {c.pid for c in cluster_side}]
             if core is not None:
-                where = {frozenset(p.cpu_affinity()) for p in _browser_processes()}
-                assert where == {frozenset({core})}, f"the browser's processes are on cores {where}, not {core}"
+                if not any("chrom" in p.name() for p in browser_side):
+                    raise RuntimeError("found no browser process to check")
+                _check_placement(browser_side, {core}, "the browser's side")
+                _check_placement(cluster_side, cores - {core}, "the cluster's side")
             try:
-                yield tabs
+                yield tabs, browser_side
             finally:
                 browser.close()
     finally:
@@ -99,20 +124,21 @@ def one_run(workloads: list[str], browser: bool, core: int | None) -> dict[str, 
         with dps.ParameterServerStrategy(client, variable_partitioner=partitioner) as strategy:
             coordinator = dps.ClusterCoordinator(strategy)
             base = cluster.dashboard_link.rsplit("/", 1)[0]
-            with pages_open(base, core) if browser else contextlib.nullcontext() as tabs:
+            with contextlib.ExitStack() as stack:
+                tabs, browser_side = stack.enter_context(pages_open(base, core)) if browser else ([], [])
                 time.sleep(2)  # the pages have loaded and refresh
-                frames = [tab.evaluate("window.daskpsFrames") for tab in tabs or []]
-                drawing = _cpu_seconds(_browser_processes())
+                frames = [tab.evaluate("window.daskpsFrames") for tab in tabs]
+                drawing = _cpu_seconds(browser_side)
                 start = time.perf_counter()
                 for name in workloads:
                     out[name] = getattr(_run_daskps, f"_daskps_{name}")(strategy, coordinator, STEPS[name])
                 if tabs:
                     seconds = time.perf_counter() - start
                     drawn = [tab.evaluate("window.daskpsFrames") - f for tab, f in zip(tabs, frames)]
-                    busy = (_cpu_seconds(_browser_processes()) - drawing) / seconds
+                    busy = (_cpu_seconds(browser_side) - drawing) / seconds
                     print("    frames/s per page while training: "
                           + ", ".join(f"{r.rsplit('-', 1)[-1]} {d / seconds:.1f}" for r, d in zip([ROUTE, *PAGES], drawn))
-                          + f"; the browser used {busy:.0%} of a core")
+                          + f"; the browser and its driver used {busy:.0%} of a core")
     return out
 
 
@@ -144,11 +170,13 @@ def main() -> int:
             paired[name].append(got[True][name] / got[False][name])
     print(f"# {args.rounds} rounds; 2 ps, 2 trainers; browser "
           + ("sharing the cluster's cores" if core is None else f"on core {core} alone"))
-    print("| workload | no pages (best) | every daskps page open (best) | best / best | median of each round's ratio |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| workload | no pages (best) | every daskps page open (best) | best / best "
+          "| median of each round's ratio | lowest, highest |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for name in workloads:
         print(f"| {name} | {best[False][name]:,.0f} | {best[True][name]:,.0f} | "
-              f"{best[True][name] / best[False][name]:.2f}x | {statistics.median(paired[name]):.2f}x |")
+              f"{best[True][name] / best[False][name]:.3f}x | {statistics.median(paired[name]):.3f}x | "
+              f"{min(paired[name]):.3f}x, {max(paired[name]):.3f}x |")
     return 0
 
 

@@ -13,6 +13,34 @@ from daskps.errors import CancelledError, ClosedError, PSUnavailableError
 from .conftest import kill_worker, wait_for_worker, worker_address
 
 
+def _sized(n):
+    return np.arange(n, dtype=np.float64)
+
+
+def test_results_too_big_for_an_event_come_back_with_their_batch(coordinator):
+    """Results over 64 KiB travel as the batch task's result, small ones in the events: each reaches its
+    own RemoteValue, whichever way it came, in one batch."""
+    sizes = [100_000, 3, 20_000, 5]  # 800 KB and 160 KB (too big for an event), and two small ones
+    with coordinator._cond:  # one pump sees them all: they share batches
+        remotes = [coordinator.schedule(_sized, args=(n,)) for n in sizes]
+    coordinator.join()
+    for n, remote in zip(sizes, remotes):
+        np.testing.assert_array_equal(remote.fetch(), np.arange(n, dtype=np.float64))
+
+
+def _described(a, plain, *, b, c=None):
+    return a, plain, b, c
+
+
+def test_a_function_gets_its_keyword_arguments_and_per_worker_values_in_either(coordinator, strategy):
+    n = len(strategy.trainer_names)
+    values = dps.PerWorkerValues([f"value of worker {i}" for i in range(n)])
+    remote = coordinator.schedule(_described, args=(values, "plain"), kwargs={"b": values, "c": [1, (2, 3)]})
+    a, plain, b, c = remote.fetch()
+    assert a in {f"value of worker {i}" for i in range(n)} and b == a  # the same worker's value, either way
+    assert plain == "plain" and c == [1, (2, 3)]  # the rest as given
+
+
 def test_one_coordinator_per_strategy(strategy):
     c1 = dps.ClusterCoordinator(strategy)
     assert dps.ClusterCoordinator(strategy) is c1

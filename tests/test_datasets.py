@@ -1,6 +1,7 @@
 """Per-worker datasets on a real cluster."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -80,9 +81,25 @@ def test_exhausted_iterator_raises_out_of_range(coordinator):
     it = iter(coordinator.create_per_worker_dataset(lambda: [1]))
     for _ in range(6):
         coordinator.schedule(_next, args=(it,))
-    with pytest.raises(OutOfRangeError, match="exhausted"):
+    with pytest.raises(OutOfRangeError) as err:
         coordinator.join()
+    assert re.fullmatch(r"per-worker iterator \d+ is exhausted on worker 'worker-[01]'; create a new one with "
+                        r"iter\(dataset\)", str(err.value)), err.value
     coordinator.join()
+
+
+def _ends(why):
+    if why is None:
+        return next(iter([]))  # a plain iterator's end: StopIteration with no text
+    raise StopIteration(why)
+
+
+def test_a_stop_iteration_in_a_function_arrives_as_out_of_range_with_its_text(coordinator):
+    for why, text in ((None, "an iterator is exhausted"), ("the shard file ended", "the shard file ended")):
+        coordinator.schedule(_ends, args=(why,))
+        with pytest.raises(OutOfRangeError) as err:
+            coordinator.join()
+        assert str(err.value) == f"{text}; create a new one with iter(dataset), or catch the end with next(iterator, None)"
 
 
 def test_next_on_the_coordinator_is_refused(coordinator):

@@ -4,7 +4,9 @@ carried from a worker, per-worker values (mutation testing's fast killers for ``
 from __future__ import annotations
 
 import pickle
+import sys
 import traceback
+import types
 
 import pytest
 
@@ -56,6 +58,27 @@ def test_an_error_that_cannot_be_rebuilt_arrives_as_runtime_error_with_its_text(
     error = load_error(_pickled_error(caught))
     assert type(error) is RuntimeError and str(error) == "_NeedsTwo: 1 and 2"
     assert error.__notes__ == [f"raised in a scheduled function on a worker:\n{expected}"]  # the worker's own
+
+
+def test_an_error_whose_class_only_the_worker_has_arrives_as_runtime_error_saying_why():
+    """The worker could rebuild it (its module is there); the coordinator cannot (it is not here)."""
+    module = types.ModuleType("daskps_test_only_on_workers")
+    exec("class WorkerOnlyError(Exception):\n    pass\n", module.__dict__)
+    module.WorkerOnlyError.__module__ = module.__name__
+    sys.modules[module.__name__] = module
+    try:
+        try:
+            raise module.WorkerOnlyError("shard 3 is gone")
+        except Exception as exc:
+            payload = _pickled_error(exc)  # on the worker: pickles and unpickles
+            where = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    finally:
+        del sys.modules[module.__name__]
+    error = load_error(payload)  # here: no such module
+    assert type(error) is RuntimeError and str(error) == "WorkerOnlyError: shard 3 is gone"
+    assert error.__notes__ == [
+        f"raised in a scheduled function on a worker:\n{where}(it cannot be rebuilt here: ModuleNotFoundError: "
+        "No module named 'daskps_test_only_on_workers')\n"]
 
 
 def test_per_worker_values_refuse_none_and_non_sequences_by_name():

@@ -211,7 +211,7 @@ def _run_one(strategy: Any, blob: tuple[bytes, bytes]) -> tuple[str, bytes | Non
             finally:
                 del fn, args, kwargs
     except StopIteration as exc:  # an input's end, uncaught: TensorFlow's OutOfRangeError
-        failed = _pickled_error(OutOfRangeError(f"{exc or 'an iterator is exhausted'}; create a new one with "
+        failed = _pickled_error(OutOfRangeError(f"{str(exc) or 'an iterator is exhausted'}; create a new one with "
                                                 "iter(dataset), or catch the end with next(iterator, None)"))
         refs.drop_traceback(exc)
     except Exception as exc:

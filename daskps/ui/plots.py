@@ -325,8 +325,7 @@ def make_app(kind: type[Page]) -> Callable[[Any, Any, Any], None]:
             if plugin is None:
                 note.text = "<p>No parameter servers yet: create a ParameterServerStrategy on this cluster.</p>"
                 return
-            if note.text:  # a Bokeh property set, even to its own value, costs the scheduler's event loop
-                note.text = ""
+            note.text = ""
             page.update(plugin.timeline)
 
         doc.title = page.title
