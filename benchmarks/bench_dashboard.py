@@ -67,6 +67,16 @@ def _thread_cores(process: psutil.Process) -> set[frozenset[int]]:
     return out
 
 
+def _pin_threads(processes: list[psutil.Process], cores: set[int]) -> None:
+    """Every thread of ``processes`` on ``cores``: Chromium pins some of its own (SwiftShader's workers,
+    "Thread<NN>") to cores of its choosing, whatever it inherited."""
+    for process in processes:
+        with contextlib.suppress(FileNotFoundError):
+            for tid in os.listdir(f"/proc/{process.pid}/task"):
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(tid), cores)
+
+
 def _check_placement(processes: list[psutil.Process], cores: set[int], what: str) -> None:
     for process in processes:
         with contextlib.suppress(psutil.Error, FileNotFoundError):
@@ -107,6 +117,7 @@ def pages_open(base: str, core: int | None = None):
             if core is not None:
                 if not any("chrom" in p.name() for p in browser_side):
                     raise RuntimeError("found no browser process to check")
+                _pin_threads(browser_side, {core})
                 _check_placement(browser_side, {core}, "the browser's side")
                 _check_placement(cluster_side, cores - {core}, "the cluster's side")
             try:
@@ -134,6 +145,8 @@ def one_run(workloads: list[str], browser: bool, core: int | None) -> dict[str, 
                     out[name] = getattr(_run_daskps, f"_daskps_{name}")(strategy, coordinator, STEPS[name])
                 if tabs:
                     seconds = time.perf_counter() - start
+                    if core is not None:  # still where they were put
+                        _check_placement(browser_side, {core}, "the browser's side, after training")
                     drawn = [tab.evaluate("window.daskpsFrames") - f for tab, f in zip(tabs, frames)]
                     busy = (_cpu_seconds(browser_side) - drawing) / seconds
                     print("    frames/s per page while training: "
