@@ -165,6 +165,35 @@ def test_first_error_is_raised_once_and_pending_functions_cancelled(coordinator)
     assert coordinator.schedule(lambda: 7).fetch() == 7
 
 
+def _slow_counted(runs, i):
+    time.sleep(0.2)
+    runs.scatter_add(dps.IndexedSlices(np.ones(1, np.int64), np.array([i])))
+
+
+def test_a_batch_already_running_stops_at_its_next_function_once_cancelled(strategy, coordinator):
+    """The first error cancels what is left, including the batch another trainer is running: it starts
+    no function after the cancellation reaches it."""
+    with strategy.scope():
+        runs = dps.Variable(np.zeros(80, np.int64), name="runs")
+    with coordinator._cond:  # one pump, durations unknown: a batch of 40 (the first 40) and one of 20, a trainer each
+        first = coordinator.schedule(_fail_after, args=(0.3, "first"))
+        [coordinator.schedule(_slow_counted, args=(runs, i)) for i in range(1, 80)]
+    with pytest.raises(Boom, match="first"):
+        coordinator.join()
+    ran, still = np.flatnonzero(runs.numpy()), 0
+    deadline = time.monotonic() + 30
+    while still < 10:  # until no function has run for 1 s (had the other batch gone on: all 20, 0.2 s each)
+        assert time.monotonic() < deadline, f"functions kept running: {ran}"
+        time.sleep(0.1)
+        now = np.flatnonzero(runs.numpy())
+        still = still + 1 if len(now) == len(ran) else 0
+        ran = now
+    assert all(40 <= i < 60 for i in ran), ran  # the failing batch started nothing after its error
+    assert 1 <= len(ran) <= 10, f"the other batch ran {len(ran)} of its 20 functions, most after the cancellation"
+    with pytest.raises(Boom, match="first"):
+        first.fetch()
+
+
 def _fail_when_set(event_name, tag):
     Event(event_name).wait(60)
     raise Boom(tag)
