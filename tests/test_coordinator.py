@@ -28,6 +28,20 @@ def test_results_too_big_for_an_event_come_back_with_their_batch(coordinator):
         np.testing.assert_array_equal(remote.fetch(), np.arange(n, dtype=np.float64))
 
 
+def _a_lock():
+    return threading.Lock()
+
+
+def test_a_result_that_cannot_be_pickled_fails_its_function_with_type_error(coordinator):
+    remote = coordinator.schedule(_a_lock)
+    with pytest.raises(TypeError) as err:
+        coordinator.join()
+    assert str(err.value) == "the result of a scheduled function cannot be pickled: cannot pickle '_thread.lock' object"
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        remote.fetch()
+    assert coordinator.schedule(lambda: 7).fetch() == 7  # raised once: the coordinator goes on
+
+
 def _described(a, plain, *, b, c=None):
     return a, plain, b, c
 
