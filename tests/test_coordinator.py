@@ -191,7 +191,8 @@ def test_a_batch_already_running_stops_at_its_next_function_once_cancelled(strat
         runs = dps.Variable(np.zeros(80, np.int64), name="runs")
     with coordinator._cond:  # one pump, durations unknown: a batch of 40 (the first 40) and one of 20, a trainer each
         first = coordinator.schedule(_fail_after, args=(0.3, "first"))
-        [coordinator.schedule(_slow_counted, args=(runs, i)) for i in range(1, 80)]
+        for i in range(1, 80):
+            coordinator.schedule(_slow_counted, args=(runs, i))
     with pytest.raises(Boom, match="first"):
         coordinator.join()
     ran, still = np.flatnonzero(runs.numpy()), 0
