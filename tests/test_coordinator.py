@@ -55,6 +55,28 @@ def test_a_function_gets_its_keyword_arguments_and_per_worker_values_in_either(c
     assert plain == "plain" and c == [1, (2, 3)]  # the rest as given
 
 
+def _durations_seen(dask_scheduler=None):
+    """Every function duration the scheduler's plugin holds, per trainer (the dashboard's percentiles)."""
+    from daskps.ps.plugin import PLUGIN_NAME
+
+    return {t: list(d) for t, d in dask_scheduler.plugins[PLUGIN_NAME].timeline.durations.items()}
+
+
+def test_each_function_reports_how_long_it_ran(coordinator, client):
+    before = client.run_on_scheduler(_durations_seen)
+    for _ in range(4):
+        coordinator.schedule(time.sleep, args=(0.25,))
+    coordinator.join()
+    deadline = time.monotonic() + 30
+    while True:  # the reports reach the plugin through the scheduler
+        after = client.run_on_scheduler(_durations_seen)
+        new = [s for t, d in after.items() for s in d[len(before.get(t, [])):]]
+        if len(new) >= 4 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert len(new) == 4 and all(0.25 <= s < 2.0 for s in new), new
+
+
 def test_one_coordinator_per_strategy(strategy):
     c1 = dps.ClusterCoordinator(strategy)
     assert dps.ClusterCoordinator(strategy) is c1
