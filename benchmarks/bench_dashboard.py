@@ -48,12 +48,6 @@ COUNT_FRAMES = """(() => {
 })();"""
 
 
-def pin_this_process(cores: set[int]) -> None:
-    """Every thread of this process on ``cores`` (processes and threads started later inherit it)."""
-    for tid in os.listdir("/proc/self/task"):
-        os.sched_setaffinity(int(tid), cores)
-
-
 def _descendants() -> dict[int, psutil.Process]:
     return {c.pid: c for c in psutil.Process().children(recursive=True)}
 
@@ -68,8 +62,9 @@ def _thread_cores(process: psutil.Process) -> set[frozenset[int]]:
 
 
 def _pin_threads(processes: list[psutil.Process], cores: set[int]) -> None:
-    """Every thread of ``processes`` on ``cores``: Chromium pins some of its own (SwiftShader's workers,
-    "Thread<NN>") to cores of its choosing, whatever it inherited."""
+    """Every thread of ``processes`` on ``cores`` (threads and processes they start later inherit it).
+    Chromium pins some of its own (SwiftShader's workers, "Thread<NN>") to cores of its choosing, whatever
+    it inherited: its processes are pinned again once started."""
     for process in processes:
         with contextlib.suppress(FileNotFoundError):
             for tid in os.listdir(f"/proc/{process.pid}/task"):
@@ -113,7 +108,8 @@ def pages_open(base: str, core: int | None = None):
                 tab.goto(base + route)
                 tabs.append(tab)
             os.sched_setaffinity(0, cores)
-            browser_side = [p for pid, p in _descendants().items() if pid not in {c.pid for c in cluster_side}]
+            known = {c.pid for c in cluster_side}
+            browser_side = [p for pid, p in _descendants().items() if pid not in known]
             if core is not None:
                 if not any("chrom" in p.name() for p in browser_side):
                     raise RuntimeError("found no browser process to check")
@@ -166,7 +162,7 @@ def main() -> int:
     cores = sorted(os.sched_getaffinity(0))
     core = None if args.share_cores or len(cores) < 2 else cores[-1]
     if core is not None:
-        pin_this_process(set(cores[:-1]))  # the cluster's processes, started later, inherit it
+        _pin_threads([psutil.Process()], set(cores[:-1]))  # the cluster's processes, started later, inherit it
         print(f"# the cluster, coordinator and scheduler on cores {cores[:-1]}; the browser on core {core}")
     else:
         print(f"# the browser shares cores {cores} with the cluster, coordinator and scheduler")
