@@ -17,6 +17,7 @@ from distributed import get_worker, wait
 import daskps as dps
 from daskps.coordinator.dask_input import assign
 from daskps.errors import OutOfRangeError
+from daskps.ps.plugin import close_input
 
 from .conftest import kill_worker, wait_for_worker
 
@@ -364,3 +365,90 @@ def test_a_trainer_tells_the_ledger_what_it_started_without_being_asked(client, 
     for trainer, parts in started.items():
         assert not set(ahead[trainer]) & parts, (trainer, parts, ahead)  # started: told
         assert ahead[trainer], ahead  # handed ahead, not started yet: held for it
+
+
+def _count_requests():
+    """On a worker: record each request its trainers make to the ledger, waited for (``Source.ask``) or not
+    (``Source.ask_ahead``): ``(trainer, "wait", partitions handed?)`` or ``(trainer, "ahead", how many)``
+    (0: only notes of the partitions it started)."""
+    from daskps.coordinator import dask_input
+
+    source = dask_input.Source
+    if hasattr(source.ask, "calls"):  # thread workers share one module
+        return
+    calls, ask, ask_ahead = [], source.ask, source.ask_ahead
+
+    def counted_ask(self, iterator_id, **extra):
+        answer = ask(self, iterator_id, **extra)
+        calls.append((str(self.worker.name), "wait", bool(answer.get("partitions"))))
+        return answer
+
+    def counted_ask_ahead(self, iterator_id, **extra):
+        calls.append((str(self.worker.name), "ahead", extra.get("want", 1)))  # the ledger's default: 1
+        return ask_ahead(self, iterator_id, **extra)
+
+    counted_ask.calls, counted_ask.originals = calls, (ask, ask_ahead)
+    source.ask, source.ask_ahead = counted_ask, counted_ask_ahead
+
+
+def _requests_counted():
+    from daskps.coordinator import dask_input
+
+    source = dask_input.Source
+    if not hasattr(source.ask, "calls"):
+        return []
+    calls = source.ask.calls
+    source.ask, source.ask_ahead = source.ask.originals
+    return calls
+
+
+def test_a_trainer_waits_for_the_ledger_only_at_its_start_and_its_end(client, coordinator):
+    """The rest is asked for ahead, many partitions at once, without waiting: when a quarter of what it
+    holds is left, and the next epoch's share while this one is read (a round trip to the scheduler per
+    partition would cost more than batching the partition)."""
+    # 100 partitions a trainer an epoch: more than one answer holds (LOOKAHEAD, 64)
+    frame = dd.from_pandas(pd.DataFrame({"id": np.arange(4000)}), npartitions=200)
+    it = iter(coordinator.create_per_worker_dataset(dps.data.from_dask(frame, batch_size=150, epochs=3)))
+    client.run(_count_requests)
+    ids, ends = [], {"worker-0": 0, "worker-1": 0}
+    try:
+        while min(ends.values()) < 2:
+            for name, _, batch in coordinator.fetch([coordinator.schedule(_where_and_next, args=(it,))
+                                                     for _ in range(20)]):
+                if batch is None:
+                    ends[name] += 1
+                else:
+                    ids.append(batch["id"])
+    finally:
+        calls = [call for calls in client.run(_requests_counted).values() for call in calls]
+    assert np.array_equal(np.sort(np.concatenate(ids)), np.repeat(np.arange(4000), 3))  # each row once an epoch
+    for name, n_ends in ends.items():
+        waits = [handed for trainer, kind, handed in calls if trainer == name and kind == "wait"]
+        asked = [want for trainer, kind, want in calls if trainer == name and kind == "ahead" and want]
+        # Waited for: its first request, and one at each end reached (asked afresh: a trainer that died
+        # meanwhile may have left partitions to read here), which hands nothing.
+        assert waits.count(True) == 1 and waits.count(False) == n_ends, (name, n_ends, calls)
+        # 300 partitions, up to 64 an answer: 5 answers, and an epoch's end may cut one short.
+        assert len(asked) <= 8, (name, calls)
+
+
+def test_a_trainer_whose_ledger_is_gone_ends_its_iterator(client, coordinator):
+    """The scheduler forgets a dataset's ledger when the coordinator drops it; a trainer still reading
+    (a function that was running) reads what it holds and then ends, as at the end of the data."""
+    frame = dd.from_pandas(pd.DataFrame({"id": np.arange(2000)}), npartitions=20)
+    before = set(client.run_on_scheduler(_ledgers))
+    ds = coordinator.create_per_worker_dataset(dps.data.from_dask(frame, batch_size=100, epochs=None))
+    (name,) = set(client.run_on_scheduler(_ledgers)) - before
+    it = iter(ds)
+    read = coordinator.fetch([coordinator.schedule(_where_and_next, args=(it,)) for _ in range(4)])
+    assert all(batch is not None for _, _, batch in read)
+    client.run_on_scheduler(close_input, name)
+    ended: set[str] = set()
+    for _ in range(10):  # repeating forever, the data would never end: only the ledger's going ends it
+        for trainer, _, batch in coordinator.fetch([coordinator.schedule(_where_and_next, args=(it,))
+                                                    for _ in range(10)]):
+            if batch is None:
+                ended.add(trainer)
+        if ended == {"worker-0", "worker-1"}:
+            break
+    assert ended == {"worker-0", "worker-1"}
