@@ -1,9 +1,11 @@
 """Per-worker datasets on a real cluster."""
 
+import gc
 import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -104,8 +106,9 @@ def test_a_stop_iteration_in_a_function_arrives_as_out_of_range_with_its_text(co
 
 def test_next_on_the_coordinator_is_refused(coordinator):
     it = iter(coordinator.create_per_worker_dataset(lambda: [1]))
-    with pytest.raises(NotScheduledError):
+    with pytest.raises(NotScheduledError) as err:
         next(it)
+    assert str(err.value) == "next() on a per-worker iterator works only inside a function run by ClusterCoordinator.schedule"
 
 
 def test_bad_dataset_fns(coordinator):
@@ -115,6 +118,38 @@ def test_bad_dataset_fns(coordinator):
     coordinator.schedule(_next, args=(it,))
     with pytest.raises(TypeError, match="iterable"):
         coordinator.join()
+
+
+class _ReadsUnderALock:
+    def __init__(self):
+        self.lock = threading.Lock()
+
+    def __call__(self):
+        return iter(range(3))
+
+
+def test_a_dataset_fn_that_cannot_be_pickled_is_refused_naming_what(coordinator):
+    with pytest.raises(TypeError) as err:
+        coordinator.create_per_worker_dataset(_ReadsUnderALock())
+    assert str(err.value) == ("cannot pickle attribute 'lock' of dataset_fn (a _thread.lock): "
+                              "TypeError: cannot pickle '_thread.lock' object")
+
+
+def _slow_next(iterator):
+    time.sleep(0.02)
+    return next(iterator)
+
+
+def test_a_dataset_that_only_scheduled_functions_hold_lives_until_they_have_run(coordinator):
+    """Arguments are pickled when a function is scheduled; the dataset behind an iterator passed so is
+    kept by the coordinator until those functions have run, though the caller dropped both."""
+    it = iter(coordinator.create_per_worker_dataset(lambda: iter(range(1000))))
+    pending = [coordinator.schedule(_slow_next, args=(it,)) for _ in range(60)]
+    del it
+    gc.collect()
+    values = coordinator.fetch(pending)
+    # Each trainer's iterator from the start: k functions on one trainer, the rest on the other.
+    assert any(sorted(values) == sorted([*range(k), *range(60 - k)]) for k in range(61)), values
 
 
 def test_per_worker_values_give_each_worker_its_own(coordinator):
@@ -199,6 +234,11 @@ def test_closing_a_strategy_forgets_its_datasets_on_every_trainer_before_close_r
     built = client.run(datasets_built, workers=list(trainers))  # at once: close() waited for them
     assert all(ids[coordinator] not in names and ids[kept] in names for names in built.values()), built
     kept.strategy.close()
+    with pytest.raises(dps.errors.ClosedError) as err:
+        coordinator.create_per_worker_dataset(lambda: iter(range(3)))
+    assert str(err.value) == ("cannot use create_per_worker_dataset: the ParameterServerStrategy it belongs to "
+                              "was closed (strategy.close()), which released its parameter servers and "
+                              "everything on them")
 
 
 def _index_among(worker_names):
