@@ -112,12 +112,22 @@ def test_next_on_the_coordinator_is_refused(coordinator):
 
 
 def test_bad_dataset_fns(coordinator):
-    with pytest.raises(TypeError, match="dataset_fn must be a callable"):
+    with pytest.raises(TypeError) as err:
         coordinator.create_per_worker_dataset([1, 2, 3])
+    assert str(err.value) == ("dataset_fn must be a callable returning an iterable, got list "
+                              "(wrap a dataset as `lambda: dataset`)")
     it = iter(coordinator.create_per_worker_dataset(lambda: 5))
     coordinator.schedule(_next, args=(it,))
     with pytest.raises(TypeError, match="iterable"):
         coordinator.join()
+
+
+def test_datasets_are_spread_over_the_parameter_servers(coordinator):
+    """Each dataset's pickled function is kept on one server, picked by its id: not all on the first."""
+    datasets = [coordinator.create_per_worker_dataset(lambda: iter(range(3))) for _ in range(16)]
+    ps = set(coordinator.strategy.cluster_resolver.cluster_spec()["ps"])
+    assert len(ps) == 2
+    assert {d._spec.blob.server.address for d in datasets} == ps
 
 
 class _ReadsUnderALock:
