@@ -118,8 +118,15 @@ def test_bad_dataset_fns(coordinator):
                               "(wrap a dataset as `lambda: dataset`)")
     it = iter(coordinator.create_per_worker_dataset(lambda: 5))
     coordinator.schedule(_next, args=(it,))
-    with pytest.raises(TypeError, match="iterable"):
+    with pytest.raises(TypeError) as err:
         coordinator.join()
+    assert str(err.value) == "dataset_fn must return an iterable, got int"
+
+
+def test_a_dataset_fn_whose_signature_python_cannot_read_is_called_without_arguments(coordinator):
+    it = iter(coordinator.create_per_worker_dataset(frozenset))  # inspect.signature(frozenset): ValueError
+    with pytest.raises(OutOfRangeError, match=r"^per-worker iterator 1 is exhausted on worker"):
+        coordinator.fetch(coordinator.schedule(_next, args=(it,)))  # frozenset(): empty
 
 
 def test_datasets_are_spread_over_the_parameter_servers(coordinator):
