@@ -86,6 +86,14 @@ def test_a_seed_repeats_the_order(coordinator, frame):
         assert np.array_equal(ids[0], ids[1]), f"{name} read its rows in another order the second time"
 
 
+def test_each_iterator_of_a_dataset_reads_all_of_it(coordinator):
+    """Each iter() is a new pass with its own ledger: a third reads everything as the first did."""
+    frame = dd.from_pandas(pd.DataFrame({"id": np.arange(3000)}), npartitions=6)
+    ds = coordinator.create_per_worker_dataset(dps.data.from_dask(frame, batch_size=250))
+    for _ in range(3):
+        assert np.array_equal(_all_ids(_read_all(coordinator, iter(ds))), np.arange(3000))
+
+
 def test_array_and_labels_tuple(coordinator):
     x = da.arange(2000 * 3, chunks=600 * 3).reshape(2000, 3).rechunk((500, 3))
     y = da.arange(2000, chunks=500)
