@@ -27,7 +27,7 @@ from daskps._core.transforms import SGDState
 from daskps.distribute.cluster import cluster_workers
 
 # tests/data holds generated fixtures and the script (needing TensorFlow) that makes them.
-collect_ignore_glob = ["data/*"]
+collect_ignore_glob = ["data/*", "mutation/*"]  # mutation/: tools for mutation testing (tests/README.md)
 
 
 # -- `pytest --in-process`: the tests that start no cluster and no process (mutation testing's selection)
