@@ -261,6 +261,20 @@ def _all_mutants(root: Path, prefixes: list[str]) -> list[str]:
     return names
 
 
+def generate() -> None:
+    """mutmut's first step alone: the sources copied to ``mutants/``, each function with its mutants."""
+    from mutmut import __main__ as mutmut_main
+    from mutmut.mutation.trampoline import set_mutant_under_test
+
+    set_mutant_under_test("mutant_generation")
+    os.makedirs("mutants", exist_ok=True)
+    mutmut_main.copy_src_dir()
+    mutmut_main.copy_also_copy_files()
+    mutmut_main.setup_source_paths()
+    stats = mutmut_main.create_mutants(os.cpu_count() or 2)
+    print(f"mutants/: {stats.mutated} files mutated")
+
+
 def verify(root: Path, results: Path, per_test: int) -> None:
     killers: dict[str, list[str]] = defaultdict(list)
     for line in results.read_text().splitlines():
@@ -333,6 +347,8 @@ def main() -> None:
     parser.add_argument("--verify", action="store_true",
                         help="run each test that killed a mutant with no mutant: it must pass (a test that "
                              "fails anyway under load killed nothing); prints those that fail")
+    parser.add_argument("--generate", action="store_true",
+                        help="write mutants/ as `mutmut run` does, without its test runs (mutmut 3.8's steps)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
@@ -341,6 +357,9 @@ def main() -> None:
     root = Path.cwd()
     if args.report:
         report(args.results, args.skip_killed_in)
+        return
+    if args.generate:
+        generate()
         return
     if args.verify:
         verify(root, args.results, args.per_test_timeout)
