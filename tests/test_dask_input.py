@@ -86,6 +86,21 @@ def test_a_seed_repeats_the_order(coordinator, frame):
         assert np.array_equal(ids[0], ids[1]), f"{name} read its rows in another order the second time"
 
 
+def test_shuffle_reads_the_partitions_in_a_shuffled_order_too(coordinator):
+    """Rows are shuffled within a buffer of 10,000 (``daskps.data.shuffle-buffer-rows``) and at least a
+    partition; the order of the partitions is shuffled as well. With partitions of 10,000 rows each batch
+    comes from one or two of them: in partition order a trainer's batch means climb (correlation with the
+    batch's place near 1; shuffled, near 0: a random order of 20 partitions reaches 0.9 about once in
+    10^5)."""
+    frame = dd.from_pandas(pd.DataFrame({"id": np.arange(400_000)}), npartitions=40)
+    ds = coordinator.create_per_worker_dataset(dps.data.from_dask(frame, batch_size=5000, shuffle=True, seed=5))
+    seen = _read_all(coordinator, iter(ds))
+    assert np.array_equal(_all_ids(seen), np.arange(400_000))
+    for trainer, batches in seen.items():
+        means = [b["id"].mean() for b in batches]
+        assert len(means) >= 30 and np.corrcoef(np.arange(len(means)), means)[0, 1] < 0.9, (trainer, means)
+
+
 def test_each_iterator_of_a_dataset_reads_all_of_it(coordinator):
     """Each iter() is a new pass with its own ledger: a third reads everything as the first did."""
     frame = dd.from_pandas(pd.DataFrame({"id": np.arange(3000)}), npartitions=6)
