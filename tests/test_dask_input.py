@@ -363,6 +363,18 @@ def test_exactly_once_without_failures_hands_every_row_out_once_per_epoch(coordi
     assert coordinator.strategy.client.run_on_scheduler(remembered) == 0  # all reported: none kept
 
 
+def test_exactly_once_with_drop_remainder_hands_out_only_full_batches(coordinator):
+    """Exactly once, batches lie within a partition: each partition's last rows short of a batch are left."""
+    frame = dd.from_pandas(pd.DataFrame({"id": np.arange(20_000)}), npartitions=7)
+    sizes = frame.map_partitions(len).compute().tolist()  # 2,858 or 2,857: four batches of 700 and a rest
+    data = dps.data.from_dask(frame, batch_size=700, epochs=1, exactly_once=True, drop_remainder=True)
+    it = iter(coordinator.create_per_worker_dataset(data))
+    out = coordinator.fetch([coordinator.schedule(_trainer_and_ids, args=(it,)) for _ in range(40)])
+    batches = [ids for _, ids in out if ids is not None]
+    assert [len(b) for b in batches] == [700] * sum(n // 700 for n in sizes) == [700] * 28
+    assert len(np.unique(np.concatenate(batches))) == 28 * 700
+
+
 def _ledgers(dask_scheduler):
     return list(dask_scheduler.plugins["daskps"].inputs)
 
