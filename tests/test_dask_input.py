@@ -99,6 +99,7 @@ def test_shuffle_reads_the_partitions_in_a_shuffled_order_too(coordinator):
     for trainer, batches in seen.items():
         means = [b["id"].mean() for b in batches]
         assert len(means) >= 30 and np.corrcoef(np.arange(len(means)), means)[0, 1] < 0.9, (trainer, means)
+        assert not any(np.all(np.diff(b["id"]) == 1) for b in batches)  # rows mixed within the buffer
 
 
 def test_each_iterator_of_a_dataset_reads_all_of_it(coordinator):
