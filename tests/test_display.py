@@ -70,6 +70,32 @@ def test_coordinator_repr_counts_what_it_scheduled_and_how_each_ended(strategy, 
     assert s["cancelled"] > 0 and s["done"] + s["cancelled"] + s["in_flight"] == 43
 
 
+def _third_fails(i):
+    time.sleep(0.01)
+    if i == 2:
+        raise ValueError("the third")
+    return i
+
+
+def test_the_counts_match_how_each_function_ended_after_a_failure(coordinator):
+    """Functions after the failing one in its batch are cancelled (they never ran), as are those queued."""
+    values = [coordinator.schedule(_third_fails, args=(i,)) for i in range(40)]
+    with pytest.raises(ValueError):
+        coordinator.join()
+    ended = {"done": 0, "failed": 0, "cancelled": 0}
+    for v in values:
+        try:
+            v.fetch()
+            ended["done"] += 1
+        except ValueError:
+            ended["failed"] += 1
+        except dps.errors.CancelledError:
+            ended["cancelled"] += 1
+    assert ended["failed"] == 1 and ended["cancelled"] > 0, ended
+    assert repr(coordinator) == (f"<ClusterCoordinator scheduled=40 pending=0 done={ended['done']} failed=1 "
+                                 f"cancelled={ended['cancelled']}>")
+
+
 def test_lost_server_shows_as_such_without_hanging(fresh_cluster):
     cluster, client = fresh_cluster
     strategy = dps.ParameterServerStrategy(client)
