@@ -124,7 +124,9 @@ class LineMap:
 
 
 def _failed_test(output: str) -> str | None:
-    m = re.search(r"^FAILED (\S+)", output, re.M) or re.search(r"^ERROR (\S+)", output, re.M)
+    """The node id of the failed test (ids of parametrized tests may hold spaces; pytest's summary adds
+    `` - <message>``)."""
+    m = re.search(r"^KILLED BY (.+)$", output, re.M) or re.search(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", output, re.M)
     return m.group(1) if m else None
 
 
@@ -194,12 +196,23 @@ def serve() -> None:
 
 
 class _FirstFailure:
-    """In a mutant's child: at the first failing test, say which and exit (no teardown to hang on)."""
+    """In a mutant's child: at the first failing test, say which and exit (no teardown to hang on); once
+    the last test has passed, say so (a session fixture's teardown that hangs then changes nothing)."""
+
+    def __init__(self) -> None:
+        self.left = 0
+
+    def pytest_collection_finish(self, session):  # type: ignore[no-untyped-def]
+        self.left = len(session.items)
 
     def pytest_runtest_logreport(self, report):  # type: ignore[no-untyped-def]
+        if report.when == "call" and report.passed or report.skipped and report.when == "setup":
+            self.left -= 1
+            if self.left == 0:
+                print(f"\n{ALL_PASSED}", flush=True)
         if report.failed:
             timed_out = "Timeout >" in str(report.longrepr)
-            print(f"\nFAILED {report.nodeid}\n{'+++++++ Timeout' if timed_out else ''}", flush=True)
+            print(f"\nKILLED BY {report.nodeid}\n{'+++++++ Timeout' if timed_out else ''}", flush=True)
             sys.stderr.flush()
             os._exit(1)
 
@@ -213,6 +226,7 @@ def _kill_group(pid: int) -> None:
         pass
 
 
+ALL_PASSED = "every test passed"
 _servers = threading.local()
 
 
@@ -239,8 +253,9 @@ def run_one(root: Path, name: str, tests: list[str], per_test: int, whole: int) 
     with open(answer["output"]) as f:
         out = f.read()
     os.unlink(answer["output"])
-    if answer["rc"] is None:  # the whole run's deadline: not a verdict
-        return {"mutant": name, "verdict": "unfinished", "tests": len(tests), "seconds": seconds}
+    if answer["rc"] is None:  # the whole run's deadline: not a verdict, unless the tests were all through
+        verdict = "survived" if ALL_PASSED in out else "unfinished"
+        return {"mutant": name, "verdict": verdict, "tests": len(tests), "seconds": seconds}
     rc = answer["rc"]
     if rc == 0:
         return {"mutant": name, "verdict": "survived", "tests": len(tests), "seconds": seconds}
@@ -343,6 +358,8 @@ def main() -> None:
     parser.add_argument("--fast", type=float, help="a first pass: only tests that took at most this many "
                         "seconds in the map's run; a mutant they all pass is 'survived fast' (rerun it "
                         "without --fast, with --rerun --only 'survived fast', for the rest)")
+    parser.add_argument("--shuffle", type=int, metavar="SEED",
+                        help="run the mutants in a random order: a run stopped early checked a random sample")
     parser.add_argument("--dry-run", action="store_true", help="list each mutant's lines and test count")
     parser.add_argument("--verify", action="store_true",
                         help="run each test that killed a mutant with no mutant: it must pass (a test that "
@@ -378,9 +395,13 @@ def main() -> None:
                     done[key] = "killed by mutmut"
     if args.rerun or args.tests:
         wanted = set(args.only.split(",")) if args.only else None
-        names = [n for n in names if n not in done or wanted is None or done[n] in wanted]
+        names = [n for n in names if wanted is None or done.get(n) in wanted]
     else:
         names = [n for n in names if n not in done]
+    if args.shuffle is not None:
+        import random
+
+        random.Random(args.shuffle).shuffle(names)
     linemap = LineMap(args.coverage_data, args.outcomes)
     modules: dict[str, _Module] = {}
     plan = []
