@@ -276,6 +276,11 @@ def _all_mutants(root: Path, prefixes: list[str]) -> list[str]:
     return names
 
 
+def _killed_by_mutmut(code: int | None) -> bool:
+    """mutmut's exit codes: 1, a test failed; below 0, a timeout or a signal; 0 survived, 33 no tests."""
+    return code is not None and (code == 1 or code < 0)
+
+
 def generate() -> None:
     """mutmut's first step alone: the sources copied to ``mutants/``, each function with its mutants."""
     from mutmut import __main__ as mutmut_main
@@ -318,7 +323,7 @@ def report(results: Path, mutmut_meta: Path | None) -> None:
         for meta in mutmut_meta.rglob("*.py.meta"):
             for key, code in json.loads(meta.read_text())["exit_code_by_key"].items():
                 if key not in verdicts and _NAME.match(key):
-                    verdicts[key] = "not run" if code is None or code == 0 else "killed by mutmut"
+                    verdicts[key] = "killed by mutmut" if _killed_by_mutmut(code) else "not run"
     by_module: dict[str, Counter[str]] = defaultdict(Counter)
     for name, verdict in verdicts.items():
         m = _NAME.match(name)
@@ -391,7 +396,7 @@ def main() -> None:
     if args.skip_killed_in:
         for meta in args.skip_killed_in.rglob("*.py.meta"):
             for key, code in json.loads(meta.read_text())["exit_code_by_key"].items():
-                if code is not None and code != 0 and key not in done:  # 1: a test failed; < 0: timed out
+                if _killed_by_mutmut(code) and key not in done:
                     done[key] = "killed by mutmut"
     if args.rerun or args.tests:
         wanted = set(args.only.split(",")) if args.only else None
