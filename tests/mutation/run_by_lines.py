@@ -27,7 +27,9 @@ import concurrent.futures
 import difflib
 import json
 import os
+import random
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -206,7 +208,7 @@ class _FirstFailure:
         self.left = len(session.items)
 
     def pytest_runtest_logreport(self, report):  # type: ignore[no-untyped-def]
-        if report.when == "call" and report.passed or report.skipped and report.when == "setup":
+        if (report.when == "call" and report.passed) or (report.when == "setup" and report.skipped):
             self.left -= 1
             if self.left == 0:
                 print(f"\n{ALL_PASSED}", flush=True)
@@ -218,8 +220,6 @@ class _FirstFailure:
 
 
 def _kill_group(pid: int) -> None:
-    import signal
-
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -249,22 +249,20 @@ def run_one(root: Path, name: str, tests: list[str], per_test: int, whole: int) 
     server.stdin.write(json.dumps({"mutant": name, "args": args, "timeout": whole}) + "\n")
     server.stdin.flush()
     answer = json.loads(server.stdout.readline())
-    seconds = round(time.monotonic() - start, 1)
     with open(answer["output"]) as f:
         out = f.read()
     os.unlink(answer["output"])
-    if answer["rc"] is None:  # the whole run's deadline: not a verdict, unless the tests were all through
-        verdict = "survived" if ALL_PASSED in out else "unfinished"
-        return {"mutant": name, "verdict": verdict, "tests": len(tests), "seconds": seconds}
+    row: dict[str, object] = {"mutant": name, "tests": len(tests), "seconds": round(time.monotonic() - start, 1)}
     rc = answer["rc"]
+    if rc is None:  # the whole run's deadline: not a verdict, unless the tests were all through
+        return {**row, "verdict": "survived" if ALL_PASSED in out else "unfinished"}
     if rc == 0:
-        return {"mutant": name, "verdict": "survived", "tests": len(tests), "seconds": seconds}
+        return {**row, "verdict": "survived"}
     if rc == 1:
-        verdict = "timeout" if "+++++++ Timeout" in out else "killed"
-        return {"mutant": name, "verdict": verdict, "tests": len(tests), "seconds": seconds, "by": _failed_test(out)}
+        return {**row, "verdict": "timeout" if "+++++++ Timeout" in out else "killed", "by": _failed_test(out)}
     if rc < 0:  # the test process died of a signal the mutant caused
-        return {"mutant": name, "verdict": "killed", "tests": len(tests), "seconds": seconds, "by": f"signal {-rc}"}
-    return {"mutant": name, "verdict": "error", "tests": len(tests), "seconds": seconds, "rc": rc, "tail": out[-2000:]}
+        return {**row, "verdict": "killed", "by": f"signal {-rc}"}
+    return {**row, "verdict": "error", "rc": rc, "tail": out[-2000:]}
 
 
 def _all_mutants(root: Path, prefixes: list[str]) -> list[str]:
@@ -404,8 +402,6 @@ def main() -> None:
     else:
         names = [n for n in names if n not in done]
     if args.shuffle is not None:
-        import random
-
         random.Random(args.shuffle).shuffle(names)
     linemap = LineMap(args.coverage_data, args.outcomes)
     modules: dict[str, _Module] = {}
