@@ -66,3 +66,38 @@ def test_the_channel_format_keeps_every_array_as_it_was():
         assert out[2]["again"] is out[1][1]  # one array sent twice is one array
         out[1][1][0] = 99.0
         assert out[1][0][0] == 0 and out[1][2][0, 0] == 0  # views of one buffer, apart
+
+
+def test_threads_pruning_channels_to_gone_servers_at_once_forget_each_and_none_raises():
+    """Several threads of one process (a coordinator's, or trainers that are threads) meet channels whose
+    server has gone at the same moment: each is closed and forgotten, and none raises (one thread used to look
+    at a socket another was closing: ``ValueError: file descriptor cannot be a negative integer``)."""
+    import socket
+
+    from daskps.ps import channel
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = "127.0.0.1:%d" % listener.getsockname()[1]
+    errors: list[BaseException] = []
+    for _ in range(30):
+        chans = {f"server-{i}": channel.Channel(address, 5.0) for i in range(40)}
+        for ch in chans.values():
+            ch._connected()
+            listener.accept()[0].close()  # the server's end goes: each channel is now dead
+        barrier = threading.Barrier(6)
+
+        def prune(chans=chans, barrier=barrier):
+            barrier.wait()
+            try:
+                channel.prune(chans)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=prune) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not chans  # every dead channel forgotten
+    listener.close()
+    assert errors == []

@@ -1,5 +1,6 @@
 """The coordinator's pieces that need no cluster: counting ``next`` calls per running function, errors
-carried from a worker, per-worker values (mutation testing's fast killers for ``daskps/coordinator/``)."""
+carried from a worker, per-worker values, what a recovery says and how it holds dispatch (mutation testing's
+fast killers for ``daskps/coordinator/``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import pytest
 
 from daskps.coordinator.batches import _pickled_error, load_error
 from daskps.coordinator.datasets import PerWorkerValues, call_position, running_function
+from daskps.coordinator.recovery import Recovered, RecoveryControl, RecoveryState
+from daskps.ps.routing import ServerRef
 
 
 def test_call_position_counts_each_iterators_next_calls_within_the_running_function():
@@ -98,3 +101,58 @@ def test_per_worker_values_refuse_none_and_non_sequences_by_name():
                               "function runs on the trainer with index 2: give one value per training worker")
     with pytest.raises(ValueError):
         values.on_worker(-1)
+
+
+def _moved(task_id: int, old: str, new: str) -> tuple[ServerRef, ServerRef]:
+    return ServerRef(old, f"old-{task_id}", task_id), ServerRef(new, f"new-{task_id}", task_id)
+
+
+def test_the_rollback_warning_says_what_the_recovery_did_word_for_word():
+    """The RollbackWarning's text (docs/user-guide/recovery.md lists what it holds), for each case."""
+    one = [_moved(0, "tcp://10.0.0.1:1", "tcp://10.0.0.2:2")]
+    text = Recovered(one, "/ck/ckpt-4", ["a", "b"], [], 3, 1.26).describe(2)
+    assert text == ("daskps: lost parameter server re-created in 1.3s: ps:0 (was at tcp://10.0.0.1:1) now runs at "
+                    "tcp://10.0.0.2:2. Rolled back to checkpoint /ck/ckpt-4: 'a', 'b'; every update made to them "
+                    "after it is lost (3 scheduled function(s) that reached the lost server finished since it was "
+                    "saved). 2 function(s) that failed or were cancelled by the loss run again.")
+    two = [*one, _moved(1, "tcp://10.0.0.3:3", "tcp://10.0.0.2:2")]
+    text = Recovered(two, "/ck/ckpt-4", [], ["m"], None).describe(0)
+    assert text == ("daskps: lost parameter server re-created in 0.0s: ps:0 (was at tcp://10.0.0.1:1) now runs at "
+                    "tcp://10.0.0.2:2; ps:1 (was at tcp://10.0.0.3:3) now runs at tcp://10.0.0.2:2. Rolled back to "
+                    "checkpoint /ck/ckpt-4: nothing; every update made to them after it is lost (an unknown number "
+                    "of scheduled functions (it was not saved by this coordinator) that reached the lost server "
+                    "finished since it was saved). Back to their initial value (in no checkpoint): 'm'. "
+                    "0 function(s) that failed or were cancelled by the loss run again.")
+    names = [f"v{i}" for i in range(13)]
+    text = Recovered(one, None, [], names, 0, 0.04).describe(1)
+    assert text == ("daskps: lost parameter server re-created in 0.0s: ps:0 (was at tcp://10.0.0.1:1) now runs at "
+                    "tcp://10.0.0.2:2. No checkpoint had been saved yet. Back to their initial value (in no "
+                    "checkpoint): " + ", ".join(repr(n) for n in names[:12]) + " and 1 more. "
+                    "1 function(s) that failed or were cancelled by the loss run again.")
+
+
+def test_recovery_control_holds_dispatch_counts_reruns_and_halts_on_a_failed_recovery():
+    control = RecoveryControl()
+    assert control.state is RecoveryState.DISPATCHING and control.dispatching and not control.recovering
+    assert control.rerun == 0 and control.lost_meanwhile == set() and control.lossy == set()
+    control.requeued()  # a function queued again outside a recovery is not counted
+    assert control.rerun == 0
+    control.begin()
+    assert control.state is RecoveryState.RECOVERING and control.recovering and not control.dispatching
+    for _ in range(3):
+        control.requeued()
+    assert control.rerun == 3
+    control.resume()  # only a halted coordinator resumes
+    assert control.state is RecoveryState.RECOVERING
+    control.lost_meanwhile.add("ps-1-key")
+    assert control.end(failed=False) == {"ps-1-key"}
+    assert control.state is RecoveryState.DISPATCHING and control.lost_meanwhile == set()
+    control.begin()  # the next recovery counts from 0
+    assert control.rerun == 0
+    control.requeued()
+    assert control.end(failed=True) == set() and control.rerun == 1
+    assert control.state is RecoveryState.HALTED and not control.dispatching and not control.recovering
+    control.resume()
+    assert control.state is RecoveryState.DISPATCHING
+    control.resume()
+    assert control.state is RecoveryState.DISPATCHING

@@ -222,24 +222,29 @@ class Channel:
         return value
 
     def close(self) -> None:
-        if self._sock is not None:
-            try:
-                self._sock.close()
-            finally:
-                self._sock = None
+        sock, self._sock = self._sock, None  # cleared first: a thread that looks next finds no socket
+        if sock is not None:
+            sock.close()
 
+    def close_if_dead(self) -> bool:
+        """Close the connection if its server has closed it (checked without waiting); whether it did.
 
-    def dead(self) -> bool:
-        """Whether the server has closed this connection (checked without waiting)."""
-        if self._sock is None:
-            return False  # not connected yet (or closed already): holds nothing
+        Under the lock: a thread pruning at the same moment neither looks at a socket being closed here
+        nor closes one in use.
+        """
         if not self.lock.acquire(blocking=False):
             return False  # in use
         try:
-            readable, _, _ = select.select([self._sock], [], [], 0)
-            return bool(readable) and not self._sock.recv(1, socket.MSG_PEEK)
-        except OSError:
-            return True
+            if self._sock is None:
+                return False  # not connected yet (or closed already): holds nothing
+            try:
+                readable, _, _ = select.select([self._sock], [], [], 0)
+                gone = bool(readable) and not self._sock.recv(1, socket.MSG_PEEK)
+            except OSError:
+                gone = True
+            if gone:
+                self.close()
+            return gone
         finally:
             self.lock.release()
 
@@ -247,8 +252,7 @@ class Channel:
 def prune(channels: dict[str, Channel]) -> None:
     """Close and forget the channels whose servers have gone (they would hold file descriptors)."""
     for address, ch in list(channels.items()):
-        if ch.dead():
-            ch.close()
+        if ch.close_if_dead():
             channels.pop(address, None)
 
 

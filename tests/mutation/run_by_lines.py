@@ -213,8 +213,9 @@ class _FirstFailure:
             if self.left == 0:
                 print(f"\n{ALL_PASSED}", flush=True)
         if report.failed:
-            timed_out = "Timeout >" in str(report.longrepr)
-            print(f"\nKILLED BY {report.nodeid}\n{'+++++++ Timeout' if timed_out else ''}", flush=True)
+            timed_out = "from pytest-timeout" in str(report.longrepr)
+            last = (str(report.longrepr).strip().splitlines() or [""])[-1][:300]  # to tell a real kill from a flake
+            print(f"\nKILLED BY {report.nodeid}\nREASON {last}\n{'+++++++ Timeout' if timed_out else ''}", flush=True)
             sys.stderr.flush()
             os._exit(1)
 
@@ -259,7 +260,9 @@ def run_one(root: Path, name: str, tests: list[str], per_test: int, whole: int) 
     if rc == 0:
         return {**row, "verdict": "survived"}
     if rc == 1:
-        return {**row, "verdict": "timeout" if "+++++++ Timeout" in out else "killed", "by": _failed_test(out)}
+        reason = re.search(r"^REASON (.*)$", out, re.M)
+        return {**row, "verdict": "timeout" if "+++++++ Timeout" in out else "killed", "by": _failed_test(out),
+                "reason": reason.group(1) if reason else None}
     if rc < 0:  # the test process died of a signal the mutant caused
         return {**row, "verdict": "killed", "by": f"signal {-rc}"}
     return {**row, "verdict": "error", "rc": rc, "tail": out[-2000:]}

@@ -1,0 +1,175 @@
+"""A parameter server whose worker is closed (it leaves the scheduler, as when an autoscaler or an operator
+retires it) on a cluster of thread workers: re-created on the other ps worker and restored, in about a
+second.
+
+The SIGKILL tests (``test_recovery.py``, ``test_recovery_cases.py``) run worker processes; these run every
+part of a recovery in this process, where mutation testing's line map sees it, and pin down the numbers: the
+values each variable holds after it, and the warning word for word.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import dask.config
+import pytest
+from distributed import Client
+
+import daskps as dps
+from daskps.errors import CancelledError, PSUnavailableError, RollbackWarning
+
+from .conftest import two_ps_training, worker_address
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def thread_cluster():
+    with dps.LocalPSCluster(num_ps=2, num_workers=2, processes=False) as cluster:
+        with Client(cluster) as client:
+            yield cluster, client
+
+
+def close_worker(cluster, client, name: str) -> str:
+    """Close the worker ``name`` and wait until the scheduler has seen it leave; returns its address."""
+    address = worker_address(client, name)
+    cluster.sync(cluster.workers[name].close, reason="test: worker closed")
+    deadline = time.monotonic() + 10
+    while address in client.scheduler_info()["workers"]:
+        assert time.monotonic() < deadline, f"{name} was closed but the scheduler still lists it"
+        time.sleep(0.01)
+    return address
+
+
+def wait_for_recoveries(coordinator, count: int) -> None:
+    deadline = time.monotonic() + 10  # one takes well under a second here
+    while len(coordinator.recoveries) < count:
+        assert time.monotonic() < deadline, "a ps worker left, but no recovery ended"
+        time.sleep(0.01)
+
+
+def _warning(record) -> str:
+    texts = [str(w.message) for w in record if issubclass(w.category, RollbackWarning)]
+    assert len(texts) == 1, texts
+    return texts[0]
+
+
+def test_a_closed_ps_worker_is_recreated_on_the_other_and_rolled_back_exactly(thread_cluster, tmp_path):
+    cluster, client = thread_cluster
+    strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path, saved_after=1)
+    for _ in range(3):  # finished after the save: lost for `a` (on ps-0), kept for `b` (on ps-1)
+        coordinator.schedule(step)
+    coordinator.join()
+    assert (float(a.numpy()), float(b.numpy())) == (4.0, 4.0)
+    ps1 = worker_address(client, "ps-1")
+    with dask.config.set({"daskps.recovery-same-worker-wait": "0.2s"}):
+        with pytest.warns(RollbackWarning) as record:
+            old = close_worker(cluster, client, "ps-0")
+            wait_for_recoveries(coordinator, 1)  # the scheduler told the coordinator: nothing had to fail
+    assert re.fullmatch(
+        rf"daskps: lost parameter server re-created in \d+\.\ds: ps:0 \(was at {old}\) now runs at {ps1}\. "
+        rf"Rolled back to checkpoint {re.escape(str(manager.latest_checkpoint))}: 'a'; every update made to them "
+        r"after it is lost \(3 scheduled function\(s\) that reached the lost server finished since it was "
+        r"saved\)\. 0 function\(s\) that failed or were cancelled by the loss run again\.", _warning(record))
+    assert [s.address for s in strategy._ps] == [ps1, ps1]
+    assert "task:0" in a.device and "task:1" in b.device
+    assert (float(a.numpy()), float(b.numpy())) == (1.0, 4.0)
+    for _ in range(5):  # training goes on where the rollback left it
+        coordinator.schedule(step)
+    coordinator.join()
+    assert (float(a.numpy()), float(b.numpy())) == (6.0, 9.0)
+    assert len(coordinator.recoveries) == 1 and coordinator.done()
+    saved = manager.save()
+    assert saved is not None and manager.latest_checkpoint == saved
+
+
+def test_functions_scheduled_while_the_server_is_lost_run_once_on_the_new_one(thread_cluster, tmp_path):
+    cluster, client = thread_cluster
+    strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path, saved_after=2)
+    with dask.config.set({"daskps.recovery-same-worker-wait": "0.5s"}):
+        with pytest.warns(RollbackWarning) as record:
+            close_worker(cluster, client, "ps-0")
+            remotes = [coordinator.schedule(step, args=(i,)) for i in range(20)]
+            coordinator.join()  # waits for the recovery, then runs the 20
+    assert "Rolled back to checkpoint" in _warning(record) and len(coordinator.recoveries) == 1
+    assert sorted(r.fetch() for r in remotes) == list(range(20))
+    assert (float(a.numpy()), float(b.numpy())) == (22.0, 22.0)
+
+
+def test_without_a_checkpoint_the_lost_servers_variables_start_again(thread_cluster, tmp_path):
+    cluster, client = thread_cluster
+    strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path)
+    for _ in range(2):
+        coordinator.schedule(step)
+    coordinator.join()
+    assert manager.latest_checkpoint is None
+    with dask.config.set({"daskps.recovery-same-worker-wait": "0.2s"}):
+        with pytest.warns(RollbackWarning) as record:
+            close_worker(cluster, client, "ps-0")
+            wait_for_recoveries(coordinator, 1)
+    assert _warning(record).endswith(
+        ". No checkpoint had been saved yet. Back to their initial value (in no checkpoint): 'a'. "
+        "0 function(s) that failed or were cancelled by the loss run again.")
+    assert (float(a.numpy()), float(b.numpy())) == (0.0, 2.0)
+
+
+def test_a_variable_the_checkpoint_lacks_goes_back_to_its_initial_value(thread_cluster, tmp_path):
+    cluster, client = thread_cluster
+    strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path, saved_after=1)
+    with strategy.scope():
+        c = dps.Variable(7.0, name="c")  # the third variable: on ps-0 again, in no checkpoint
+    assert "task:0" in c.device
+    c.assign(50.0)
+    with dask.config.set({"daskps.recovery-same-worker-wait": "0.2s"}):
+        with pytest.warns(RollbackWarning) as record:
+            close_worker(cluster, client, "ps-0")
+            wait_for_recoveries(coordinator, 1)
+    assert re.search(r": 'a'; every update .* \(0 scheduled function\(s\) .*\)\. Back to their initial value "
+                     r"\(in no checkpoint\): 'c'\. 0 function", _warning(record))
+    assert (float(a.numpy()), float(b.numpy()), float(c.numpy())) == (1.0, 1.0, 7.0)
+
+
+def test_no_ps_worker_left_fails_join_then_dispatch_goes_on(thread_cluster, tmp_path):
+    cluster, client = thread_cluster
+    strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path, saved_after=1)
+    with dask.config.set({"daskps.recovery-timeout": "1s", "daskps.recovery-same-worker-wait": "0.2s"}):
+        close_worker(cluster, client, "ps-0")
+        close_worker(cluster, client, "ps-1")
+        remotes = [coordinator.schedule(step) for _ in range(5)]
+        with pytest.raises(PSUnavailableError) as err:
+            coordinator.join()
+    assert re.fullmatch(r"parameter server ps:\d was lost and no worker with resource 'ps' came to take its place "
+                        r"within daskps\.recovery-timeout; start one \(`dask worker ADDRESS --resources ps=1`\) "
+                        r"and train again", str(err.value))
+    assert not coordinator.recoveries and coordinator.done()
+    for r in remotes:  # none ran; none waits forever
+        with pytest.raises((CancelledError, PSUnavailableError)):
+            r.fetch()
+    # join() has raised: the coordinator dispatches again (a function that needs no server runs)
+    assert coordinator.schedule(lambda: 42).fetch() == 42
+
+
+def test_a_dataset_made_before_the_loss_is_first_read_after_it(thread_cluster, tmp_path):
+    """Its function was stored on the lost server: the recovery stores it again on the new one."""
+    from collections import Counter
+
+    cluster, client = thread_cluster
+    strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path, saved_after=1)
+    datasets = []
+    while not any(d._spec.blob.server.task_id == 0 for d in datasets):  # the place is drawn at random
+        assert len(datasets) < 40, "no dataset's function was stored on ps:0"
+        datasets.append(coordinator.create_per_worker_dataset(lambda: iter(range(100, 200))))
+    with dask.config.set({"daskps.recovery-same-worker-wait": "0.2s"}):
+        with pytest.warns(RollbackWarning):
+            close_worker(cluster, client, "ps-0")
+            wait_for_recoveries(coordinator, 1)
+    assert datasets[-1]._spec.blob.server.address == worker_address(client, "ps-1")
+    it = iter(datasets[-1])  # no trainer has built it yet
+
+    def take(iterator):
+        return next(iterator)
+
+    got = Counter(coordinator.schedule(take, args=(it,)).fetch() for _ in range(6))
+    # each trainer reads its own copy from the start: the 6 values are two prefixes of 100, 101, ...
+    assert any(got == Counter(range(100, 100 + n)) + Counter(range(100, 106 - n)) for n in range(7)), got
