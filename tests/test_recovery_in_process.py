@@ -173,3 +173,43 @@ def test_a_dataset_made_before_the_loss_is_first_read_after_it(thread_cluster, t
     got = Counter(coordinator.schedule(take, args=(it,)).fetch() for _ in range(6))
     # each trainer reads its own copy from the start: the 6 values are two prefixes of 100, 101, ...
     assert any(got == Counter(range(100, 100 + n)) + Counter(range(100, 106 - n)) for n in range(7)), got
+
+
+def test_functions_running_at_the_loss_fail_and_run_again_in_full(thread_cluster, tmp_path):
+    """Both trainers are inside a step when ps-0's worker closes: their update to ``a`` fails (the server no
+    longer answers, though its thread lives on), and both steps run again in full once it is back. Their
+    update to ``b`` on ps-1 went through before they failed: at least once (docs/user-guide/recovery.md)."""
+    import uuid
+
+    from distributed import Event
+
+    cluster, client = thread_cluster
+    strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path)
+    a.assign(1.0)
+    b.assign(1.0)
+    manager.save()  # no function has run: the coordinator splits its first functions over both trainers
+    tag = uuid.uuid4().hex
+    go = f"go-{tag}"
+
+    def blocked_step(i):
+        Event(f"started-{tag}-{i}").set()
+        assert Event(go).wait(30), "the test never let the step go on"
+        a.assign_add(1.0)  # a lives on ps-0
+        b.assign_add(1.0)
+        return i
+
+    with dask.config.set({"daskps.recovery-same-worker-wait": "1s"}):
+        with pytest.warns(RollbackWarning) as record:
+            remotes = [coordinator.schedule(blocked_step, args=(i,)) for i in range(2)]
+            for i in range(2):
+                assert Event(f"started-{tag}-{i}", client=client).wait(10), f"step {i} never started"
+            close_worker(cluster, client, "ps-0")
+            Event(go, client=client).set()  # before the recovery can end (it waits 1 s for ps-0 first)
+            coordinator.join()
+    assert _warning(record).endswith(
+        "(0 scheduled function(s) that reached the lost server finished since it was saved). "
+        "2 function(s) that failed or were cancelled by the loss run again.")
+    assert [r.fetch() for r in remotes] == [0, 1]
+    # a: the checkpoint's 1, then each step once; b: 1, each failed step's update, each step again
+    assert (float(a.numpy()), float(b.numpy())) == (3.0, 5.0)
+    assert coordinator.summary()["rerun"] == 2 and len(coordinator.recoveries) == 1

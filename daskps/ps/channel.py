@@ -34,16 +34,19 @@ _MAX_PARTS = 512  # buffers per writev (the system's limit is 1024 or more)
 
 
 # -- the server's end --------------------------------------------------------------------------
-def open_channel(server: Any, host: str, loop: asyncio.AbstractEventLoop) -> tuple[str, Callable[[], None]]:
+def open_channel(server: Any, host: str, loop: asyncio.AbstractEventLoop,
+                 alive: Callable[[], bool] = lambda: True) -> tuple[str, Callable[[], None]]:
     """Listen for ``server`` on ``host`` (a free port) from ``loop``; return ``host:port`` and a closer.
 
-    Connections hold the server weakly: once Dask drops the actor, they close.
+    Connections hold the server weakly: once Dask drops the actor, they close. So they do at the first
+    request that finds ``alive()`` false (its worker closed, though this process and the actor live on:
+    a worker thread's, or one an operator closed), and the caller learns the server is gone.
     """
     ref = weakref.ref(server)
     connections: weakref.WeakSet[_Serving] = weakref.WeakSet()
 
     def serving() -> _Serving:
-        connection = _Serving(ref)
+        connection = _Serving(ref, alive)
         connections.add(connection)
         return connection
 
@@ -71,8 +74,9 @@ def open_channel(server: Any, host: str, loop: asyncio.AbstractEventLoop) -> tup
 class _Serving(asyncio.BufferedProtocol):
     """One caller's connection: reads each frame straight into its own buffer, answers in order."""
 
-    def __init__(self, ref: weakref.ref):
+    def __init__(self, ref: weakref.ref, alive: Callable[[], bool]):
         self.ref = ref
+        self.alive = alive
         self.transport: Any = None
         self._expect(8, self._got_count)
 
@@ -114,7 +118,7 @@ class _Serving(asyncio.BufferedProtocol):
 
     def _answer(self, frames: list[bytearray]) -> None:
         server = self.ref()
-        if server is None:  # the actor is gone
+        if server is None or not self.alive():  # the actor, or its worker, is gone
             self.transport.close()
             return
         try:

@@ -19,13 +19,14 @@ by :data:`daskps.ps.routing.ROUTES`. The operations themselves are built in
 from __future__ import annotations
 
 import asyncio
+import functools
 import queue
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from distributed import default_client
-from distributed.core import send_recv
+from distributed.core import Status, send_recv
 from distributed.protocol.serialize import Serialized, deserialize
 from distributed.utils import sync
 from distributed.worker import get_worker
@@ -66,11 +67,21 @@ class DaskParameterServer(ParameterServer):
         scheme, _, rest = worker.address.partition("://")
         if scheme == "tcp":
             host = rest.rsplit(":", 1)[0].strip("[]")
-            self.channel, close = channel.open_channel(self, host, worker.loop.asyncio_loop)  # type: ignore[attr-defined]
+            self.channel, close = channel.open_channel(self, host, worker.loop.asyncio_loop,  # type: ignore[attr-defined]
+                                                       functools.partial(_worker_open, weakref.ref(worker)))
             weakref.finalize(self, close)
 
     def handle(self, message: Message) -> Serialized:
         return serialized(self.execute(message))
+
+
+def _worker_open(worker: weakref.ref) -> bool:
+    """Whether the worker has not begun to close (a server on a closed worker must not answer)."""
+    w = worker()
+    return w is not None and w.status not in _CLOSED
+
+
+_CLOSED = frozenset({Status.closing, Status.closed, Status.failed})
 
 
 def check_client(client: Any) -> None:
