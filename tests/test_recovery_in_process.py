@@ -213,3 +213,55 @@ def test_functions_running_at_the_loss_fail_and_run_again_in_full(thread_cluster
     # a: the checkpoint's 1, then each step once; b: 1, each failed step's update, each step again
     assert (float(a.numpy()), float(b.numpy())) == (3.0, 5.0)
     assert coordinator.summary()["rerun"] == 2 and len(coordinator.recoveries) == 1
+
+
+def test_with_a_manager_an_error_of_the_function_itself_is_not_run_again(thread_cluster, tmp_path):
+    cluster, client = thread_cluster
+    strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path, saved_after=1)
+
+    def bad(x):
+        a.assign_add(1.0)
+        raise ValueError(f"bad batch {x}")
+
+    coordinator.schedule(bad, args=(7,))
+    with pytest.raises(ValueError) as err:
+        coordinator.join()
+    assert str(err.value) == "bad batch 7"
+    summary = coordinator.summary()
+    assert (summary["failed"], summary["rerun"], len(coordinator.recoveries)) == (1, 0, 0)
+    assert float(a.numpy()) == 2.0  # it ran once
+
+
+def test_without_a_manager_a_closed_ps_fails_the_functions_that_need_it(thread_cluster):
+    cluster, client = thread_cluster
+    strategy = dps.ParameterServerStrategy(client)
+    with strategy.scope():
+        a = dps.Variable(0.0, name="a")  # ps-0
+    coordinator = dps.ClusterCoordinator(strategy)
+    close_worker(cluster, client, "ps-0")
+    coordinator.schedule(lambda: a.assign_add(1.0) and None)
+    with pytest.raises(PSUnavailableError, match="'a'"):
+        coordinator.join()
+    summary = coordinator.summary()
+    assert (summary["failed"], summary["rerun"], len(coordinator.recoveries)) == (1, 0, 0)
+
+
+ATTEMPTS: list[int] = []  # the trainers are threads of this process: they append here
+
+
+def _unlucky():  # at module level: pickled by reference, so it appends to this process's ATTEMPTS
+    ATTEMPTS.append(1)
+    raise PSUnavailableError("ps:0 cannot be reached (made up by the test)")
+
+
+def test_a_function_that_keeps_losing_its_server_runs_again_three_times_then_fails(thread_cluster, tmp_path):
+    """With a manager, a function that fails because a server is gone runs again after the recovery, at most
+    3 times: a fourth loss in a row is its error (no server is lost here, so each recovery finds nothing)."""
+    cluster, client = thread_cluster
+    strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path, saved_after=1)
+    ATTEMPTS.clear()
+    coordinator.schedule(_unlucky)
+    with pytest.raises(PSUnavailableError, match="made up by the test"):
+        coordinator.join()
+    assert len(ATTEMPTS) == 4 and coordinator.summary()["rerun"] == 3
+    assert (float(a.numpy()), float(b.numpy())) == (1.0, 1.0)  # nothing was rolled back
