@@ -67,11 +67,12 @@ def test_a_closed_ps_worker_is_recreated_on_the_other_and_rolled_back_exactly(th
         with pytest.warns(RollbackWarning) as record:
             old = close_worker(cluster, client, "ps-0")
             wait_for_recoveries(coordinator, 1)  # the scheduler told the coordinator: nothing had to fail
-    assert re.fullmatch(
-        rf"daskps: lost parameter server re-created in \d+\.\ds: ps:0 \(was at {old}\) now runs at {ps1}\. "
+    said = re.fullmatch(
+        rf"daskps: lost parameter server re-created in (\d+\.\d)s: ps:0 \(was at {old}\) now runs at {ps1}\. "
         rf"Rolled back to checkpoint {re.escape(str(manager.latest_checkpoint))}: 'a'; every update made to them "
         r"after it is lost \(3 scheduled function\(s\) that reached the lost server finished since it was "
         r"saved\)\. 0 function\(s\) that failed or were cancelled by the loss run again\.", _warning(record))
+    assert said and 0.2 <= float(said.group(1)) < 10  # it waited 0.2 s for ps-0 to come back first
     assert [s.address for s in strategy._ps] == [ps1, ps1]
     assert "task:0" in a.device and "task:1" in b.device
     assert (float(a.numpy()), float(b.numpy())) == (1.0, 4.0)
@@ -265,3 +266,22 @@ def test_a_function_that_keeps_losing_its_server_runs_again_three_times_then_fai
         coordinator.join()
     assert len(ATTEMPTS) == 4 and coordinator.summary()["rerun"] == 3
     assert (float(a.numpy()), float(b.numpy())) == (1.0, 1.0)  # nothing was rolled back
+
+
+def test_a_checkpoint_that_does_not_restore_fails_join_and_says_why(thread_cluster, tmp_path):
+    import pathlib
+
+    cluster, client = thread_cluster
+    strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path, saved_after=1)
+    latest = str(manager.latest_checkpoint)
+    (pathlib.Path(latest) / "a@0.npy").write_bytes(b"not an array")  # a's file spoiled after the save
+    with dask.config.set({"daskps.recovery-same-worker-wait": "0.2s"}):
+        close_worker(cluster, client, "ps-0")
+        coordinator.schedule(step)
+        with pytest.raises(PSUnavailableError) as err:
+            coordinator.join()
+    assert re.fullmatch(rf"parameter server\(s\) ps:0 were lost and re-created, but restoring them from "
+                        rf"{re.escape(latest)} failed \(ValueError: {re.escape(latest)}/a@0\.npy is not a readable \.npy "
+                        r"file: .+\); their variables hold their initial values",
+                        str(err.value), re.S), str(err.value)
+    assert not coordinator.recoveries
