@@ -285,3 +285,55 @@ def test_a_checkpoint_that_does_not_restore_fails_join_and_says_why(thread_clust
                         r"file: .+\); their variables hold their initial values",
                         str(err.value), re.S), str(err.value)
     assert not coordinator.recoveries
+
+
+def test_a_ps_worker_back_under_its_name_gets_its_server_again(thread_cluster, tmp_path):
+    """As when a Nanny restarts a killed worker: a ps worker with the lost one's name comes within
+    ``daskps.recovery-same-worker-wait``, and the server is made again there, not on the other ps worker."""
+    from distributed import Worker
+
+    cluster, client = thread_cluster
+    strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path, saved_after=1)
+
+    async def start():
+        return await Worker(cluster.scheduler_address, name="ps-0", nthreads=1, host="127.0.0.1",
+                            resources={"ps": 1})
+
+    with dask.config.set({"daskps.recovery-same-worker-wait": "20s"}):
+        with pytest.warns(RollbackWarning, match="ps:0"):
+            old = close_worker(cluster, client, "ps-0")
+            back = cluster.sync(start)
+            try:
+                wait_for_recoveries(coordinator, 1)
+                assert back.address != old and strategy._ps[0].address == back.address
+                assert strategy._ps[1].address == worker_address(client, "ps-1")
+                coordinator.schedule(step)
+                coordinator.join()
+                assert (float(a.numpy()), float(b.numpy())) == (2.0, 2.0)
+            finally:
+                strategy.close()
+                cluster.sync(back.close)
+
+
+def test_a_lost_server_goes_to_the_ps_worker_holding_fewest(tmp_path):
+    """Four ps workers, one server each: ps-0's goes to ps-1 (a tie, broken by name); then ps-2's goes to ps-3,
+    which holds one server, not to ps-1, which holds two."""
+    with dps.LocalPSCluster(num_ps=4, num_workers=1, processes=False) as cluster, Client(cluster) as client:
+        strategy = dps.ParameterServerStrategy(client)
+        with strategy.scope():
+            vs = [dps.Variable(float(i), name=f"v{i}") for i in range(4)]  # one on each ps
+        manager = dps.CheckpointManager(dps.Checkpoint(**{v.name: v for v in vs}), str(tmp_path))
+        coordinator = dps.ClusterCoordinator(strategy, checkpoint_manager=manager)
+        manager.save()
+        ps = {n: worker_address(client, f"ps-{n}") for n in range(4)}
+        with dask.config.set({"daskps.recovery-same-worker-wait": "0.2s"}):
+            with pytest.warns(RollbackWarning):
+                close_worker(cluster, client, "ps-0")
+                wait_for_recoveries(coordinator, 1)
+            assert [s.address for s in strategy._ps] == [ps[1], ps[1], ps[2], ps[3]]
+            with pytest.warns(RollbackWarning):
+                close_worker(cluster, client, "ps-2")
+                wait_for_recoveries(coordinator, 2)
+        assert [s.address for s in strategy._ps] == [ps[1], ps[1], ps[3], ps[3]]
+        assert [float(v.numpy()) for v in vs] == [0.0, 1.0, 2.0, 3.0]
+        strategy.close()
