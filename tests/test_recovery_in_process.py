@@ -21,7 +21,7 @@ from daskps.errors import CancelledError, PSUnavailableError, RollbackWarning
 
 from .conftest import two_ps_training, worker_address
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(20)  # each takes a few seconds at most; a hang fails fast
 
 
 @pytest.fixture
