@@ -17,6 +17,7 @@ import pytest
 from distributed import Client
 
 import daskps as dps
+from daskps.coordinator.recovery import RecoveryState
 from daskps.errors import CancelledError, PSUnavailableError, RollbackWarning
 
 from .conftest import two_ps_training, worker_address
@@ -81,6 +82,9 @@ def test_a_closed_ps_worker_is_recreated_on_the_other_and_rolled_back_exactly(th
     coordinator.join()
     assert (float(a.numpy()), float(b.numpy())) == (6.0, 9.0)
     assert len(coordinator.recoveries) == 1 and coordinator.done()
+    record = coordinator.recoveries[0]
+    assert [(lost.address, new.address) for lost, new in record.servers] == [(old, ps1)]
+    assert (record.checkpoint, record.functions_since) == (manager.latest_checkpoint, 3)
     saved = manager.save()
     assert saved is not None and manager.latest_checkpoint == saved
 
@@ -138,12 +142,20 @@ def test_no_ps_worker_left_fails_join_then_dispatch_goes_on(thread_cluster, tmp_
         close_worker(cluster, client, "ps-0")
         close_worker(cluster, client, "ps-1")
         remotes = [coordinator.schedule(step) for _ in range(5)]
+        deadline = time.monotonic() + 10
+        while coordinator.recovery_state is not RecoveryState.HALTED:  # nothing goes out until join() raises
+            assert time.monotonic() < deadline, f"the recovery did not fail: {coordinator.recovery_state}"
+            time.sleep(0.01)
         with pytest.raises(PSUnavailableError) as err:
             coordinator.join()
     assert re.fullmatch(r"parameter server ps:\d was lost and no worker with resource 'ps' came to take its place "
                         r"within daskps\.recovery-timeout; start one \(`dask worker ADDRESS --resources ps=1`\) "
                         r"and train again", str(err.value))
     assert not coordinator.recoveries and coordinator.done()
+    summary = coordinator.summary()
+    assert (summary["failed"], summary["cancelled"], summary["rerun"]) == (0, 5, 0)
+    assert summary["last_error"] == repr(err.value)
+    assert coordinator.recovery_state is RecoveryState.DISPATCHING
     for r in remotes:  # none ran; none waits forever
         with pytest.raises((CancelledError, PSUnavailableError)):
             r.fetch()
@@ -336,4 +348,33 @@ def test_a_lost_server_goes_to_the_ps_worker_holding_fewest(tmp_path):
                 wait_for_recoveries(coordinator, 2)
         assert [s.address for s in strategy._ps] == [ps[1], ps[1], ps[3], ps[3]]
         assert [float(v.numpy()) for v in vs] == [0.0, 1.0, 2.0, 3.0]
+        strategy.close()
+
+
+def test_a_second_ps_lost_during_a_recovery_is_recovered_after_it(tmp_path):
+    """ps-1 goes while ps-0's server is being re-created: the coordinator notes it and recovers it next."""
+    with dps.LocalPSCluster(num_ps=3, num_workers=2, processes=False) as cluster, Client(cluster) as client:
+        strategy = dps.ParameterServerStrategy(client)
+        with strategy.scope():
+            vs = [dps.Variable(0.0, name=n) for n in "abc"]  # one on each ps
+        manager = dps.CheckpointManager(dps.Checkpoint(a=vs[0], b=vs[1], c=vs[2]), str(tmp_path))
+        coordinator = dps.ClusterCoordinator(strategy, checkpoint_manager=manager)
+        for v in vs:
+            v.assign(5.0)
+        manager.save()
+        ps2 = worker_address(client, "ps-2")
+        with dask.config.set({"daskps.recovery-same-worker-wait": "1s"}):
+            with pytest.warns(RollbackWarning) as record:
+                close_worker(cluster, client, "ps-0")
+                deadline = time.monotonic() + 10
+                while coordinator.recovery_state is not RecoveryState.RECOVERING:
+                    assert time.monotonic() < deadline, "no recovery began"
+                    time.sleep(0.01)
+                close_worker(cluster, client, "ps-1")
+                assert coordinator.recovery_state is RecoveryState.RECOVERING, "the first recovery ended too soon"
+                wait_for_recoveries(coordinator, 2)
+        texts = [str(w.message) for w in record if issubclass(w.category, RollbackWarning)]
+        assert len(texts) == 2 and "ps:0 (was at" in texts[0] and "ps:1 (was at" in texts[1], texts
+        assert [s.address for s in strategy._ps] == [ps2, ps2, ps2]
+        assert [float(v.numpy()) for v in vs] == [5.0, 5.0, 5.0]
         strategy.close()
