@@ -207,6 +207,7 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
         for report in (FunctionReport(*row) for row in finished):
             if report.status != "big":  # a big value lives on its trainer until the batch ends: not safe yet
                 reported.add(report.function)
+            if report.status == "ok":  # one that failed may run again (its server was lost): same batches
                 safe.append(report.function)
             if where is not None:
                 (self.failed if report.status == "error" else self.completed)[where] += 1
