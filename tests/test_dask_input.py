@@ -102,10 +102,11 @@ def test_shuffle_reads_the_partitions_in_a_shuffled_order_too(coordinator):
         assert not any(np.all(np.diff(b["id"]) == 1) for b in batches)  # rows mixed within the buffer
 
 
-def test_each_iterator_of_a_dataset_reads_all_of_it(coordinator):
+@pytest.mark.parametrize("exactly_once", [False, True])
+def test_each_iterator_of_a_dataset_reads_all_of_it(coordinator, exactly_once):
     """Each iter() is a new pass with its own ledger: a third reads everything as the first did."""
     frame = dd.from_pandas(pd.DataFrame({"id": np.arange(3000)}), npartitions=6)
-    ds = coordinator.create_per_worker_dataset(dps.data.from_dask(frame, batch_size=250))
+    ds = coordinator.create_per_worker_dataset(dps.data.from_dask(frame, batch_size=250, exactly_once=exactly_once))
     for _ in range(3):
         assert np.array_equal(_all_ids(_read_all(coordinator, iter(ds))), np.arange(3000))
 
@@ -488,3 +489,17 @@ def test_a_trainer_whose_ledger_is_gone_ends_its_iterator(client, coordinator):
         if ended == {"worker-0", "worker-1"}:
             break
     assert ended == {"worker-0", "worker-1"}
+
+
+def _holders_of(name, dask_scheduler=None):
+    return sorted({ws.address for key, ts in dask_scheduler.tasks.items() if name in str(key) for ws in ts.who_has})
+
+
+def test_a_collection_not_persisted_is_persisted_on_the_trainers_only(client, coordinator):
+    """docs/user-guide/datasets.md, Locality: restricted to the trainers by name (never a ps worker)."""
+    frame = dd.from_pandas(pd.DataFrame({"id": np.arange(4800)}), npartitions=16)
+    ds = coordinator.create_per_worker_dataset(dps.data.from_dask(frame, batch_size=300))
+    assert np.array_equal(_all_ids(_read_all(coordinator, iter(ds))), np.arange(4800))
+    trainers = dict(coordinator.strategy.cluster_resolver.training_workers())
+    holders = client.run_on_scheduler(_holders_of, frame._name)
+    assert holders and set(holders) <= set(trainers.values()), (holders, trainers)

@@ -382,8 +382,8 @@ def test_a_second_ps_lost_during_a_recovery_is_recovered_after_it(tmp_path):
 
 
 def test_an_exactly_once_batch_read_before_a_loss_is_the_batch_its_rerun_reads(thread_cluster, tmp_path):
-    """A function that read a batch of ``dps.data.from_dask(..., exactly_once=True)`` and then failed at the
-    loss reads that same batch when it runs again: no row is lost or read twice over the pass."""
+    """A function that read batches of ``dps.data.from_dask(..., exactly_once=True)`` and then failed at the
+    loss reads those same batches when it runs again: no row is lost or read twice over the pass."""
     import uuid
 
     import dask.dataframe as dd
@@ -400,11 +400,11 @@ def test_an_exactly_once_batch_read_before_a_loss_is_the_batch_its_rerun_reads(t
     go = f"go-{tag}"
 
     def blocked_read(iterator, i):
-        batch = next(iterator)
+        batches = [next(iterator), next(iterator)]  # two: the rerun gets the first and the second again
         Event(f"started-{tag}-{i}").set()
         assert Event(go).wait(30), "the test never let the step go on"
         a.assign_add(1.0)  # fails the first time: ps-0 is gone
-        return np.asarray(batch["id"])
+        return np.concatenate([np.asarray(b["id"]) for b in batches])
 
     def read(iterator):
         batch = next(iterator, None)
