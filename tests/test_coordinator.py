@@ -55,22 +55,26 @@ def test_a_function_gets_its_keyword_arguments_and_per_worker_values_in_either(c
     assert plain == "plain" and c == [1, (2, 3)]  # the rest as given
 
 
-def _durations_seen(dask_scheduler=None):
-    """Every function duration the scheduler's plugin holds, per trainer (the dashboard's percentiles)."""
+def _durations_seen(dask_scheduler=None, forget=False):
+    """Every function duration the scheduler's plugin holds, per trainer (the dashboard's percentiles);
+    ``forget`` empties them first (each trainer keeps its latest 2,000: once earlier tests filled that,
+    what a test added cannot be told by position)."""
     from daskps.ps.plugin import PLUGIN_NAME
 
-    return {t: list(d) for t, d in dask_scheduler.plugins[PLUGIN_NAME].timeline.durations.items()}
+    durations = dask_scheduler.plugins[PLUGIN_NAME].timeline.durations
+    if forget:
+        durations.clear()
+    return {t: list(d) for t, d in durations.items()}
 
 
 def test_each_function_reports_how_long_it_ran(coordinator, client):
-    before = client.run_on_scheduler(_durations_seen)
+    assert client.run_on_scheduler(_durations_seen, forget=True) == {}
     for _ in range(4):
         coordinator.schedule(time.sleep, args=(0.25,))
     coordinator.join()
     deadline = time.monotonic() + 30
     while True:  # the reports reach the plugin through the scheduler
-        after = client.run_on_scheduler(_durations_seen)
-        new = [s for t, d in after.items() for s in d[len(before.get(t, [])):]]
+        new = [s for d in client.run_on_scheduler(_durations_seen).values() for s in d]
         if len(new) >= 4 or time.monotonic() > deadline:
             break
         time.sleep(0.05)

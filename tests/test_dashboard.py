@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import math
 import re
 import time
 import urllib.request
@@ -42,6 +44,7 @@ def page_text(base: str, want: str, timeout: float = 30) -> str:
 
 
 def exercise(client: Client) -> tuple[Any, list[str]]:
+    gc.collect()  # what earlier tests dropped leaves the servers (a page counts every variable they hold)
     strategy = dps.ParameterServerStrategy(client, variable_partitioner=dps.partitioners.FixedShardsPartitioner(2))
     coordinator = dps.ClusterCoordinator(strategy)
     with strategy.scope():
@@ -142,6 +145,48 @@ def test_servers_of_two_strategies_keep_their_own_lines():
     assert set(servers) == {"ps-0 (aaaaaaaa)", "ps-0 (bbbbbbbb)"}
     assert servers["ps-0 (aaaaaaaa)"][1] == 7 and servers["ps-0 (bbbbbbbb)"][1] == 100
     assert {server for _, server, _, _ in timeline.tables.values()} == {"ps-0 (aaaaaaaa)", "ps-0 (bbbbbbbb)"}
+
+
+def test_a_page_opened_on_a_long_history_gets_it_in_one_message_per_figure():
+    """A page's first refresh holds the whole timeline: here 60 ticks of 20 strategies' servers come and
+    go, 42 lines (20 strategies' two, and plain ps-0 and ps-1 while only the first was there). Each figure gets its history, in order and with gaps where a server was not there, in
+    one message (point by point it held the scheduler's event loop for 15-20 s; see benchmarks/README)."""
+    from bokeh.document import Document
+    from bokeh.document.events import ColumnsStreamedEvent
+    from bokeh.layouts import column
+
+    from daskps.ps.timeline import Timeline
+    from daskps.ui.plots import ServersPage
+
+    def row(task, strategy, nbytes):
+        return {"key": f"daskps-ps-{task}-{strategy:08d}abcd", "task": task, "address": "tcp://127.0.0.1:1",
+                "nbytes": nbytes, "slot_nbytes": 0, "reads": 0, "updates": 0, "bytes_read": 0,
+                "bytes_received": 0}
+
+    timeline = Timeline()
+    for i in range(60):  # strategy s lives from tick 3s to 3s + 5: two or three at a time
+        live = [s for s in range(20) if 3 * s <= i < 3 * s + 6]
+        timeline.record(1000.0 + i, [row(t, s, 100 * i + t) for s in live for t in range(2)], {}, {}, {})
+    page = ServersPage()
+    document = Document()
+    document.add_root(column(*page.roots()))
+    events, walks = [], []
+    document.on_change(events.append)
+    walk = document.models.recompute  # a walk of the page's whole model graph: once per figure, not per line
+    document.models.recompute = lambda: walks.append(1) or walk()
+    page.update(timeline)
+    assert len(walks) == 5
+    streamed = [e for e in events if isinstance(e, ColumnsStreamedEvent)]
+    assert len(streamed) == 5  # one per figure
+    data = page.bytes.source.data
+    assert len(page.bytes.names) == 42 and list(data["time"]) == [(1000.0 + i) * 1000 for i in range(1, 60)]
+    want = [100 * i + 1 if 21 <= i < 27 else math.nan for i in range(1, 60)]  # strategy 7's ps-1
+    np.testing.assert_array_equal(data["ps-1 (00000007)"], want)
+    events.clear()
+    timeline.record(1060.0, [row(0, 18, 5), row(0, 19, 6)], {}, {}, {})
+    page.update(timeline)
+    assert [type(e) for e in events] == [ColumnsStreamedEvent] * 5  # a tick later: a point each, no new line
+    assert data["ps-0 (00000019)"][-2:] == [5900.0, 6.0] and len(page.bytes.names) == 42
 
 
 def test_a_plot_page_says_there_are_no_servers_until_the_plugin_is_there():

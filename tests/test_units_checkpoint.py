@@ -538,6 +538,35 @@ def test_tables_and_variables_are_not_restored_from_each_other_and_every_problem
                                "t/.KEYS, t/.LAST_UPDATED, t/.LAST_USED, t/.CLOCKS (not saved from an EmbeddingTable)")
 
 
+def test_a_table_slot_saved_with_another_shape_than_its_rows_is_refused_by_name(tmp_path):
+    """A checkpoint edited by hand (or written by another tool) whose table slot does not match the
+    table's rows: the restore names the slot and both shapes, and changes nothing."""
+    import json
+
+    table = dps.EmbeddingTable(2, initializer=_zeros, name="t")
+    opt = dps.optimizers.Adagrad(0.1, initial_accumulator_value=0.1)
+    dps.embedding_lookup(table, np.array([1, 2]))
+    opt.apply([dps.IndexedSlices(np.ones((1, 2), np.float32), np.array([1]))], [table])
+    path = dps.Checkpoint(t=table, opt=opt).write(str(tmp_path / "c"))
+    manifest_file = tmp_path / "c" / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    slot = manifest["tensors"]["t/.OPTIMIZER_SLOT/opt/accumulator"]
+    np.save(tmp_path / "c" / slot["pieces"][0]["file"], np.zeros((2, 3), np.float32))
+    slot["shape"] = slot["pieces"][0]["shape"] = [2, 3]
+    manifest_file.write_text(json.dumps(manifest))
+
+    opt.apply([dps.IndexedSlices(np.ones((2, 2), np.float32), np.array([1, 2]))], [table])
+    before = (table.export(), opt.iterations.numpy())
+    with pytest.raises(ValueError) as info:
+        dps.Checkpoint(t=table, opt=opt).read(path)
+    assert str(info.value) == (f"cannot restore from {path!r}; nothing was changed:\n  "
+                               "t/.OPTIMIZER_SLOT/opt/accumulator: checkpoint has shape (2, 3), rows have (2, 2)")
+    after = (table.export(), opt.iterations.numpy())
+    np.testing.assert_array_equal(after[0][0], before[0][0])
+    np.testing.assert_array_equal(after[0][1], before[0][1])
+    assert after[1] == before[1] == 2
+
+
 def test_an_empty_shard_in_the_middle_does_not_overwrite_the_next_piece(tmp_path):
     """An empty shard starts where the next one does: its file must not take the next one's name."""
     values = np.arange(8, dtype=np.float32).reshape(4, 2)

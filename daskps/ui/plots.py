@@ -23,6 +23,7 @@ the servers anything, so an open page costs them nothing.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -57,19 +58,36 @@ class SeriesFigure:
             self.figure.yaxis.formatter = NumeralTickFormatter(format="0.0 b")
         _keep_ranges_in_the_browser(self.figure)
         self.names: list[str] = []
+        self._pending: list[tuple[float, dict[str, float]]] = []
 
     def add(self, x: float, values: dict[str, float]) -> None:
-        """One point for each series (NaN for those not in ``values``)."""
-        for name in values:
-            if name not in self.names:
-                self._new_series(name)
-        row: dict[str, Any] = {self.x: [x * 1000 if self.x == "time" else x]}
-        row.update({n: [values.get(n, math.nan)] for n in self.names})
+        """One point for each series (NaN for those not in ``values``), sent by :meth:`flush`."""
+        self._pending.append((x, values))
+
+    def flush(self) -> None:
+        """Send the points added since the last flush to the browser, in one message.
+
+        A page's first refresh holds the timeline's whole history (up to 600
+        ticks, a line per server any strategy had): sent point by point, with a
+        message per new line, it held the scheduler's event loop for seconds.
+        """
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        new = list(dict.fromkeys(n for _, values in pending for n in values if n not in self.names))
+        if new:
+            length = len(self.source.data[self.x])
+            document = self.figure.document
+            # each line added to a shown page re-walks the page's whole model graph: once for all of them
+            with document.models.freeze() if document is not None else contextlib.nullcontext():
+                self.source.data = {**self.source.data, **{n: [math.nan] * length for n in new}}
+                for name in new:
+                    self._new_line(name)
+        row: dict[str, Any] = {self.x: [x * 1000 if self.x == "time" else x for x, _ in pending]}
+        row.update({n: [values.get(n, math.nan) for _, values in pending] for n in self.names})
         self.source.stream(row, rollover=KEEP)
 
-    def _new_series(self, name: str) -> None:
-        length = len(self.source.data[self.x])
-        self.source.data[name] = [math.nan] * length
+    def _new_line(self, name: str) -> None:
         color = PALETTE[len(self.names) % len(PALETTE)]
         self.figure.line(self.x, name, source=self.source, color=color, line_width=2, legend_label=name)
         self.figure.legend.location = "top_left"
@@ -152,6 +170,9 @@ class Page:
         if ticks:
             self.seen = ticks[-1].time
         self.refresh(timeline)
+        for figure in vars(self).values():
+            if isinstance(figure, SeriesFigure):
+                figure.flush()
 
     def tick(self, previous: Tick, tick: Tick) -> None:
         pass
