@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import time
+import warnings
 
 import numpy as np
 import psutil
@@ -13,7 +14,7 @@ from distributed import Client, get_worker
 
 import daskps as dps
 from daskps.distribute.cluster import cluster_workers
-from daskps.errors import ClosedError
+from daskps.errors import ClosedError, RollbackWarning
 
 from .conftest import datasets_built, kill_worker, worker_address
 
@@ -240,6 +241,54 @@ def test_handles_kept_on_a_worker_keep_the_variable(fresh_cluster):
     assert got.tolist() == [5.0]
     client.run(_drop_kept, workers=holder)
     wait_until(lambda: not any(key in s["variables"] for s in strategy.ps_stats()), what="freed after the worker let go")
+
+
+def _busy_until_a_task_waits():
+    """Stay in the function until a task is queued for this worker (1 thread), up to 30 s."""
+    state, deadline = get_worker().state, time.monotonic() + 30
+    while not state.ready and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return bool(state.ready)
+
+
+def test_handles_kept_on_trainers_are_counted_on_a_recreated_server_as_its_recovery_ends(fresh_cluster, tmp_path):
+    """A recovery makes the lost server's objects again with what the coordinator holds, and has every
+    trainer count there the handles it keeps, before it ends (a trainer busy in a function as well, once
+    the function is over, within ``FOLLOW_WAIT``): the coordinator dropping its own handle right after
+    then frees nothing the trainers still use."""
+    cluster, client = fresh_cluster
+    strategy = dps.ParameterServerStrategy(client)
+    with strategy.scope():
+        v = dps.Variable([5.0], name="kept")  # not in the checkpoint (which would hold it): made from [5.0] again
+        other = dps.Variable(0.0, name="other")
+    manager = dps.CheckpointManager(dps.Checkpoint(other=other), str(tmp_path))
+    coordinator = dps.ClusterCoordinator(strategy, checkpoint_manager=manager)
+    key = v._ref.key
+    for _ in range(20):  # until both trainers keep it
+        coordinator.schedule(_keep, args=(v,))
+        coordinator.join()
+        if len([has for has in client.run(lambda dask_worker: hasattr(dask_worker, "_daskps_test_kept")).values()
+                if has]) == 2:
+            break
+    assert holders(client, [key]) == {key: {"coordinator": 1, "trainer": 2}}
+    manager.save()
+    ps = next(info["name"] for addr, info in cluster_workers(client).items()
+              if key in client.run(_holders_on, [key], workers=[addr])[addr])
+    busy = coordinator.schedule(_busy_until_a_task_waits)  # one trainer is in a function as the loss comes
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RollbackWarning)  # nothing changed since the save
+        kill_worker(client, ps)
+        deadline = time.monotonic() + 60
+        while not coordinator.recoveries:
+            assert time.monotonic() < deadline, f"{ps} was killed, and no recovery ended"
+            time.sleep(0.02)
+    assert holders(client, [key]) == {key: {"coordinator": 1, "trainer": 2}}  # on the new server, at once
+    assert busy.fetch() is True  # the busy trainer's task was queued behind its function: told, not skipped
+    del v
+    assert wait_for_coordinator_release(client, [key]) == {key: {"trainer": 2}}
+    trainers = [addr for addr, info in cluster_workers(client).items() if info["name"].startswith("worker")]
+    assert [client.submit(_read_kept, workers=[t], pure=False).result().tolist() for t in trainers] == [[5.0]] * 2
+    client.run(_drop_kept, workers=trainers)
 
 
 def test_a_trainer_that_dies_holding_handles_leaks_nothing(fresh_cluster):

@@ -13,6 +13,7 @@ import re
 import time
 
 import dask.config
+import numpy as np
 import pytest
 from distributed import Client
 
@@ -20,7 +21,7 @@ import daskps as dps
 from daskps.coordinator.recovery import RecoveryState
 from daskps.errors import CancelledError, PSUnavailableError, RollbackWarning
 
-from .conftest import two_ps_training, worker_address
+from .conftest import datasets_built, two_ps_training, worker_address
 
 pytestmark = pytest.mark.timeout(20)  # each takes a few seconds at most; a hang fails fast
 
@@ -196,6 +197,76 @@ def test_a_dataset_made_before_the_loss_is_first_read_after_it(thread_cluster, t
     assert any(got == Counter(range(100, 100 + n)) + Counter(range(100, 106 - n)) for n in range(7)), got
 
 
+def _read_where(iterator):
+    from distributed import get_worker
+
+    return get_worker().name, next(iterator)
+
+
+def test_a_dataset_read_before_the_loss_goes_on_where_it_was_after_it(thread_cluster, tmp_path):
+    """Trainers keep a dataset whose function was on the lost server, and their iterators over it: what the
+    scheduler would have them do once that server is gone (forget the dataset) waits for the new one."""
+    from collections import defaultdict
+
+    cluster, client = thread_cluster
+    strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path, saved_after=1)
+    datasets = []
+    while not any(d._spec.blob.server.task_id == 0 for d in datasets):  # the place is drawn at random
+        assert len(datasets) < 40, "no dataset's function was stored on ps:0"
+        datasets.append(coordinator.create_per_worker_dataset(lambda: iter(range(100, 200))))
+    it = iter(datasets[-1])
+    read = coordinator.fetch([coordinator.schedule(_read_where, args=(it,)) for _ in range(8)])
+    dataset_id = datasets[-1]._spec.dataset_id
+    readers = {name for name, _ in read}
+    built = {cluster.scheduler.workers[addr].name for addr, ids in client.run(datasets_built).items()
+             if dataset_id in ids}
+    assert built == readers
+    with dask.config.set({"daskps.recovery-same-worker-wait": "0.2s"}):
+        with pytest.warns(RollbackWarning):
+            close_worker(cluster, client, "ps-0")
+            wait_for_recoveries(coordinator, 1)
+    assert datasets[-1]._spec.blob.server.address == worker_address(client, "ps-1")
+    assert {cluster.scheduler.workers[addr].name for addr, ids in client.run(datasets_built).items()
+            if dataset_id in ids} == readers  # not forgotten
+    read += coordinator.fetch([coordinator.schedule(_read_where, args=(it,)) for _ in range(8)])
+    per_trainer = defaultdict(list)
+    for name, value in read:
+        per_trainer[name].append(value)
+    for name, values in per_trainer.items():  # each trainer went on from where it was: no value twice
+        assert sorted(values) == list(range(100, 100 + len(values))), (name, values)
+
+
+def test_trainers_forget_a_dataset_of_a_recovered_server_when_the_coordinator_goes_without_closing(
+        thread_cluster, tmp_path):
+    """After a recovery, the cleanup the scheduler runs once a dataset's server is released (its client gone,
+    as a crashed kernel goes) is the new server's: the trainers forget the dataset then."""
+    cluster, observer = thread_cluster
+    client = Client(cluster)  # the coordinator's, to be lost
+    strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path, saved_after=1)
+    datasets = []
+    while not any(d._spec.blob.server.task_id == 0 for d in datasets):
+        assert len(datasets) < 40, "no dataset's function was stored on ps:0"
+        datasets.append(coordinator.create_per_worker_dataset(lambda: iter(range(100, 200))))
+    it = iter(datasets[-1])
+    coordinator.fetch([coordinator.schedule(next, args=(it,)) for _ in range(4)])
+    dataset_id = datasets[-1]._spec.dataset_id
+
+    def trainers_holding():
+        return [addr for addr, ids in observer.run(datasets_built).items() if dataset_id in ids]
+
+    assert trainers_holding()
+    with dask.config.set({"daskps.recovery-same-worker-wait": "0.2s"}):
+        with pytest.warns(RollbackWarning):
+            close_worker(cluster, observer, "ps-0")
+            wait_for_recoveries(coordinator, 1)
+    assert trainers_holding()
+    client.close()  # no strategy.close(), no drop: the scheduler releases the client's servers
+    deadline = time.monotonic() + 10
+    while trainers_holding():
+        assert time.monotonic() < deadline, "the coordinator's client went, and the trainers kept its dataset"
+        time.sleep(0.05)
+
+
 def test_functions_running_at_the_loss_fail_and_run_again_in_full(thread_cluster, tmp_path):
     """Both trainers are inside a step when ps-0's worker closes: their update to ``a`` fails (the server no
     longer answers, though its thread lives on), and both steps run again in full once it is back. Their
@@ -235,6 +306,41 @@ def test_functions_running_at_the_loss_fail_and_run_again_in_full(thread_cluster
     # a: the checkpoint's 1, then each step once; b: 1, each failed step's update, each step again
     assert (float(a.numpy()), float(b.numpy())) == (3.0, 5.0)
     assert coordinator.summary()["rerun"] == 2 and len(coordinator.recoveries) == 1
+
+
+def test_a_recovery_does_not_wait_for_trainers_busy_in_a_function(thread_cluster, tmp_path):
+    """Each trainer is told of the new server by a task of its own, which the recovery waits for a moment
+    only (``FOLLOW_WAIT``): a trainer busy in a long function (not using the lost server) follows with its
+    next batch, and the recovery ends without it."""
+    import uuid
+
+    from distributed import Event
+
+    cluster, client = thread_cluster
+    strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path)
+    manager.save()  # no function has run: the first two go to both trainers
+    tag = uuid.uuid4().hex
+
+    def busy(i):
+        Event(f"started-{tag}-{i}").set()
+        assert Event(f"go-{tag}").wait(30), "the test never let the function go on"
+        b.assign_add(1.0)  # on ps-1, not lost
+        return i
+
+    remotes = [coordinator.schedule(busy, args=(i,)) for i in range(2)]
+    for i in range(2):
+        assert Event(f"started-{tag}-{i}", client=client).wait(10), f"function {i} never started"
+    with dask.config.set({"daskps.recovery-same-worker-wait": "0.2s"}):
+        with pytest.warns(RollbackWarning):
+            close_worker(cluster, client, "ps-0")
+            wait_for_recoveries(coordinator, 1)  # (10 s at most; the functions wait 30 s)
+            assert not coordinator.done()  # both functions still wait
+            Event(f"go-{tag}", client=client).set()
+            assert [r.fetch() for r in remotes] == [0, 1]
+    for _ in range(4):
+        coordinator.schedule(step)
+    coordinator.join()
+    assert (float(a.numpy()), float(b.numpy())) == (4.0, 6.0)  # a from the checkpoint (0), b kept its 2
 
 
 def test_with_a_manager_an_error_of_the_function_itself_is_not_run_again(thread_cluster, tmp_path):
@@ -305,6 +411,41 @@ def test_a_checkpoint_that_does_not_restore_fails_join_and_says_why(thread_clust
                         rf"{re.escape(latest)} failed \(ValueError: {re.escape(latest)}/a@0\.npy is not a readable \.npy "
                         r"file: .+\); their variables hold their initial values",
                         str(err.value), re.S), str(err.value)
+    assert not coordinator.recoveries
+
+
+_INITIALIZED = []
+
+
+def _zeros_once(shape, dtype):
+    """An initializer whose data is there once only (as a file a job deletes after reading it)."""
+    _INITIALIZED.append(shape)
+    if len(_INITIALIZED) > 1:
+        raise RuntimeError("the initial values were already taken")
+    return np.zeros(shape, dtype)
+
+
+def test_a_variable_that_cannot_be_made_again_fails_join_and_says_why(thread_cluster, tmp_path):
+    """A lost server's variables are made again from how they were made (here: an initializer run on the
+    server, which fails the second time): if that fails, ``join()`` says which server and why."""
+    cluster, client = thread_cluster
+    _INITIALIZED.clear()
+    strategy = dps.ParameterServerStrategy(client)
+    with strategy.scope():
+        a = dps.Variable(_zeros_once, shape=(3,), dtype=np.float32, name="a")  # ps-0
+        b = dps.Variable(0.0, name="b")  # ps-1
+    manager = dps.CheckpointManager(dps.Checkpoint(a=a, b=b), str(tmp_path))
+    coordinator = dps.ClusterCoordinator(strategy, checkpoint_manager=manager)
+    manager.save()
+    assert len(_INITIALIZED) == 1
+    with dask.config.set({"daskps.recovery-same-worker-wait": "0.2s"}):
+        close_worker(cluster, client, "ps-0")
+        coordinator.schedule(b.assign_add, args=(1.0,))
+        with pytest.raises(PSUnavailableError) as err:
+            coordinator.join()
+    assert len(_INITIALIZED) == 2
+    assert str(err.value) == ("parameter server ps:0 was lost, and making its variables again failed: "
+                              "RuntimeError: the initial values were already taken")
     assert not coordinator.recoveries
 
 
