@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import time
+import warnings
 
 import dask.config
 import numpy as np
@@ -477,6 +478,55 @@ def test_a_ps_worker_back_under_its_name_gets_its_server_again(thread_cluster, t
                 cluster.sync(back.close)
 
 
+def test_updates_lost_are_counted_only_for_functions_that_knew_the_lost_server(thread_cluster, tmp_path):
+    """The warning counts the functions that finished after the checkpoint and reached the lost server. A
+    function that started before an earlier recovery (it knew the servers before it, and used ps:1 only)
+    and finished after the save is not one of them when ps:0's new server is lost; one that ran after the
+    save is."""
+    import uuid
+
+    from distributed import Event, Worker
+
+    cluster, client = thread_cluster
+    strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path)
+    tag = uuid.uuid4().hex
+
+    def long_on_ps1():
+        Event(f"started-{tag}").set()
+        assert Event(f"go-{tag}").wait(30), "the test never let the function go on"
+        b.assign_add(1.0)
+
+    async def start():
+        return await Worker(cluster.scheduler_address, name="ps-0", nthreads=1, host="127.0.0.1",
+                            resources={"ps": 1})
+
+    long = coordinator.schedule(long_on_ps1)
+    assert Event(f"started-{tag}", client=client).wait(10), "the long function never started"
+    back = None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RollbackWarning)
+            with dask.config.set({"daskps.recovery-same-worker-wait": "20s"}):
+                close_worker(cluster, client, "ps-0")
+                back = cluster.sync(start)  # ps:0's new server goes there, alone
+                wait_for_recoveries(coordinator, 1)
+            assert strategy._ps[0].address == back.address
+            manager.save()  # the long function is still running: it finishes after the save
+            Event(f"go-{tag}", client=client).set()
+            long.fetch()
+            coordinator.schedule(step)  # after the save, on ps:0's new server
+            coordinator.join()
+            with dask.config.set({"daskps.recovery-same-worker-wait": "0.2s"}):
+                cluster.sync(back.close)  # (not in cluster.workers: close_worker does not know it)
+                wait_for_recoveries(coordinator, 2)
+        assert strategy._ps[0].address == worker_address(client, "ps-1")
+        assert coordinator.recoveries[1].functions_since == 1
+    finally:
+        strategy.close()
+        if back is not None and back.status.name not in ("closed", "closing"):
+            cluster.sync(back.close)
+
+
 def test_a_lost_server_goes_to_the_ps_worker_holding_fewest(tmp_path):
     """Four ps workers, one server each: ps-0's goes to ps-1 (a tie, broken by name); then ps-2's goes to ps-3,
     which holds one server, not to ps-1, which holds two."""
@@ -498,6 +548,36 @@ def test_a_lost_server_goes_to_the_ps_worker_holding_fewest(tmp_path):
                 wait_for_recoveries(coordinator, 2)
         assert [s.address for s in strategy._ps] == [ps[1], ps[1], ps[3], ps[3]]
         assert [float(v.numpy()) for v in vs] == [0.0, 1.0, 2.0, 3.0]
+        strategy.close()
+
+
+def test_two_servers_lost_with_one_worker_are_named_together_when_their_restore_fails(tmp_path):
+    """ps:0's server moves to ps-1's worker; that worker goes too, with both servers; the checkpoint no longer
+    restores: one error names both, as ``ps:0, ps:1``."""
+    import pathlib
+
+    with dps.LocalPSCluster(num_ps=3, num_workers=1, processes=False) as cluster, Client(cluster) as client:
+        strategy = dps.ParameterServerStrategy(client)
+        with strategy.scope():
+            vs = [dps.Variable(float(i), name=f"v{i}") for i in range(3)]  # one on each ps
+        manager = dps.CheckpointManager(dps.Checkpoint(**{v.name: v for v in vs}), str(tmp_path))
+        coordinator = dps.ClusterCoordinator(strategy, checkpoint_manager=manager)
+        manager.save()
+        with dask.config.set({"daskps.recovery-same-worker-wait": "0.2s"}):
+            with pytest.warns(RollbackWarning):
+                close_worker(cluster, client, "ps-0")
+                wait_for_recoveries(coordinator, 1)
+            assert [s.address for s in strategy._ps][:2] == [worker_address(client, "ps-1")] * 2
+            latest = str(manager.latest_checkpoint)
+            (pathlib.Path(latest) / "v1@0.npy").write_bytes(b"not an array")
+            close_worker(cluster, client, "ps-1")
+            coordinator.schedule(vs[2].assign_add, args=(1.0,))
+            with pytest.raises(PSUnavailableError) as err:
+                coordinator.join()
+        assert str(err.value).startswith(f"parameter server(s) ps:0, ps:1 were lost and re-created, but restoring "
+                                         f"them from {latest} failed (ValueError: {latest}/v1@0.npy is not a "
+                                         "readable .npy file: "), str(err.value)
+        assert str(err.value).endswith("); their variables hold their initial values")
         strategy.close()
 
 
