@@ -173,22 +173,34 @@ def test_no_ps_worker_left_fails_join_then_dispatch_goes_on(thread_cluster, tmp_
     assert coordinator.schedule(lambda: 42).fetch() == 42
 
 
+def dataset_on_ps0(coordinator):
+    """A per-worker dataset of ``range(100, 200)`` whose function is stored on ps:0 (the place is drawn at
+    random: datasets are made until one lands there)."""
+    made = []
+    while not any(d._spec.blob.server.task_id == 0 for d in made):
+        assert len(made) < 40, "no dataset's function was stored on ps:0"
+        made.append(coordinator.create_per_worker_dataset(lambda: iter(range(100, 200))))
+    return made[-1]
+
+
+def lose_ps0(cluster, client, coordinator) -> None:
+    """Close ps-0's worker; its server is re-created on ps-1's (the wait for ps-0 to come back cut short)."""
+    with dask.config.set({"daskps.recovery-same-worker-wait": "0.2s"}):
+        with pytest.warns(RollbackWarning):
+            close_worker(cluster, client, "ps-0")
+            wait_for_recoveries(coordinator, 1)
+
+
 def test_a_dataset_made_before_the_loss_is_first_read_after_it(thread_cluster, tmp_path):
     """Its function was stored on the lost server: the recovery stores it again on the new one."""
     from collections import Counter
 
     cluster, client = thread_cluster
     strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path, saved_after=1)
-    datasets = []
-    while not any(d._spec.blob.server.task_id == 0 for d in datasets):  # the place is drawn at random
-        assert len(datasets) < 40, "no dataset's function was stored on ps:0"
-        datasets.append(coordinator.create_per_worker_dataset(lambda: iter(range(100, 200))))
-    with dask.config.set({"daskps.recovery-same-worker-wait": "0.2s"}):
-        with pytest.warns(RollbackWarning):
-            close_worker(cluster, client, "ps-0")
-            wait_for_recoveries(coordinator, 1)
-    assert datasets[-1]._spec.blob.server.address == worker_address(client, "ps-1")
-    it = iter(datasets[-1])  # no trainer has built it yet
+    dataset = dataset_on_ps0(coordinator)
+    lose_ps0(cluster, client, coordinator)
+    assert dataset._spec.blob.server.address == worker_address(client, "ps-1")
+    it = iter(dataset)  # no trainer has built it yet
 
     def take(iterator):
         return next(iterator)
@@ -211,22 +223,16 @@ def test_a_dataset_read_before_the_loss_goes_on_where_it_was_after_it(thread_clu
 
     cluster, client = thread_cluster
     strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path, saved_after=1)
-    datasets = []
-    while not any(d._spec.blob.server.task_id == 0 for d in datasets):  # the place is drawn at random
-        assert len(datasets) < 40, "no dataset's function was stored on ps:0"
-        datasets.append(coordinator.create_per_worker_dataset(lambda: iter(range(100, 200))))
-    it = iter(datasets[-1])
+    dataset = dataset_on_ps0(coordinator)
+    it = iter(dataset)
     read = coordinator.fetch([coordinator.schedule(_read_where, args=(it,)) for _ in range(8)])
-    dataset_id = datasets[-1]._spec.dataset_id
+    dataset_id = dataset._spec.dataset_id
     readers = {name for name, _ in read}
     built = {cluster.scheduler.workers[addr].name for addr, ids in client.run(datasets_built).items()
              if dataset_id in ids}
     assert built == readers
-    with dask.config.set({"daskps.recovery-same-worker-wait": "0.2s"}):
-        with pytest.warns(RollbackWarning):
-            close_worker(cluster, client, "ps-0")
-            wait_for_recoveries(coordinator, 1)
-    assert datasets[-1]._spec.blob.server.address == worker_address(client, "ps-1")
+    lose_ps0(cluster, client, coordinator)
+    assert dataset._spec.blob.server.address == worker_address(client, "ps-1")
     assert {cluster.scheduler.workers[addr].name for addr, ids in client.run(datasets_built).items()
             if dataset_id in ids} == readers  # not forgotten
     read += coordinator.fetch([coordinator.schedule(_read_where, args=(it,)) for _ in range(8)])
@@ -244,22 +250,16 @@ def test_trainers_forget_a_dataset_of_a_recovered_server_when_the_coordinator_go
     cluster, observer = thread_cluster
     client = Client(cluster)  # the coordinator's, to be lost
     strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path, saved_after=1)
-    datasets = []
-    while not any(d._spec.blob.server.task_id == 0 for d in datasets):
-        assert len(datasets) < 40, "no dataset's function was stored on ps:0"
-        datasets.append(coordinator.create_per_worker_dataset(lambda: iter(range(100, 200))))
-    it = iter(datasets[-1])
+    dataset = dataset_on_ps0(coordinator)
+    it = iter(dataset)
     coordinator.fetch([coordinator.schedule(next, args=(it,)) for _ in range(4)])
-    dataset_id = datasets[-1]._spec.dataset_id
+    dataset_id = dataset._spec.dataset_id
 
     def trainers_holding():
         return [addr for addr, ids in observer.run(datasets_built).items() if dataset_id in ids]
 
     assert trainers_holding()
-    with dask.config.set({"daskps.recovery-same-worker-wait": "0.2s"}):
-        with pytest.warns(RollbackWarning):
-            close_worker(cluster, observer, "ps-0")
-            wait_for_recoveries(coordinator, 1)
+    lose_ps0(cluster, observer, coordinator)
     assert trainers_holding()
     client.close()  # no strategy.close(), no drop: the scheduler releases the client's servers
     deadline = time.monotonic() + 10
@@ -527,16 +527,23 @@ def test_updates_lost_are_counted_only_for_functions_that_knew_the_lost_server(t
             cluster.sync(back.close)
 
 
+def one_variable_per_server(client, directory, n: int):
+    """A strategy with variables ``v0``, ``v1``... holding 0, 1... one on each of its ``n`` servers, saved by a
+    checkpoint manager in ``directory``, and its coordinator: ``(strategy, vs, manager, coordinator)``."""
+    strategy = dps.ParameterServerStrategy(client)
+    with strategy.scope():
+        vs = [dps.Variable(float(i), name=f"v{i}") for i in range(n)]
+    manager = dps.CheckpointManager(dps.Checkpoint(**{v.name: v for v in vs}), str(directory))
+    coordinator = dps.ClusterCoordinator(strategy, checkpoint_manager=manager)
+    manager.save()
+    return strategy, vs, manager, coordinator
+
+
 def test_a_lost_server_goes_to_the_ps_worker_holding_fewest(tmp_path):
     """Four ps workers, one server each: ps-0's goes to ps-1 (a tie, broken by name); then ps-2's goes to ps-3,
     which holds one server, not to ps-1, which holds two."""
     with dps.LocalPSCluster(num_ps=4, num_workers=1, processes=False) as cluster, Client(cluster) as client:
-        strategy = dps.ParameterServerStrategy(client)
-        with strategy.scope():
-            vs = [dps.Variable(float(i), name=f"v{i}") for i in range(4)]  # one on each ps
-        manager = dps.CheckpointManager(dps.Checkpoint(**{v.name: v for v in vs}), str(tmp_path))
-        coordinator = dps.ClusterCoordinator(strategy, checkpoint_manager=manager)
-        manager.save()
+        strategy, vs, manager, coordinator = one_variable_per_server(client, tmp_path, 4)
         ps = {n: worker_address(client, f"ps-{n}") for n in range(4)}
         with dask.config.set({"daskps.recovery-same-worker-wait": "0.2s"}):
             with pytest.warns(RollbackWarning):
@@ -557,12 +564,7 @@ def test_two_servers_lost_with_one_worker_are_named_together_when_their_restore_
     import pathlib
 
     with dps.LocalPSCluster(num_ps=3, num_workers=1, processes=False) as cluster, Client(cluster) as client:
-        strategy = dps.ParameterServerStrategy(client)
-        with strategy.scope():
-            vs = [dps.Variable(float(i), name=f"v{i}") for i in range(3)]  # one on each ps
-        manager = dps.CheckpointManager(dps.Checkpoint(**{v.name: v for v in vs}), str(tmp_path))
-        coordinator = dps.ClusterCoordinator(strategy, checkpoint_manager=manager)
-        manager.save()
+        strategy, vs, manager, coordinator = one_variable_per_server(client, tmp_path, 3)
         with dask.config.set({"daskps.recovery-same-worker-wait": "0.2s"}):
             with pytest.warns(RollbackWarning):
                 close_worker(cluster, client, "ps-0")
