@@ -38,6 +38,81 @@ def _in_thread(fn, timeout):
     return out.get("r", ("blocked", None))
 
 
+class _LockedStep:
+    """A step object that holds a lock: it cannot go to a trainer."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+
+    def __call__(self):
+        return 1
+
+
+def test_schedule_refuses_what_cannot_go_to_a_trainer_word_for_word(coordinator):
+    """Each refusal says what was wrong and where, before anything runs."""
+    remote = coordinator.schedule(int, args=("3",))
+    with pytest.raises(ValueError) as info:
+        coordinator.schedule(print, args=([remote],))
+    assert str(info.value) == ("args contains a RemoteValue; using the output of one scheduled function as input "
+                               "of another is not supported: fetch() it first")
+    dataset = coordinator.create_per_worker_dataset(lambda: iter(range(3)))
+    with pytest.raises(TypeError) as info:
+        coordinator.schedule(print, kwargs={"data": [1, dataset]})
+    assert str(info.value) == ("kwargs['data'][1] is a PerWorkerDataset; pass iter(dataset) instead: a scheduled "
+                               "function takes its iterator, and next(iterator) inside the function gives that "
+                               "trainer's next element")
+    with pytest.raises(TypeError) as info:
+        coordinator.schedule(print, args={"a": 1})
+    assert str(info.value) == "args must be a tuple or list, got dict"
+    with pytest.raises(TypeError) as info:
+        coordinator.schedule(print, kwargs=[1])
+    assert str(info.value) == "kwargs must be a dict, got list"
+    with pytest.raises(TypeError) as info:
+        coordinator.schedule(_LockedStep())
+    assert str(info.value) == ("cannot pickle attribute 'lock' of the function '_LockedStep' (a _thread.lock): "
+                               "TypeError: cannot pickle '_thread.lock' object")
+    coordinator.join()
+    assert remote.fetch() == 3
+
+
+def _batch_keys(token, dask_scheduler=None):
+    return sorted(k for k in dask_scheduler.tasks if k.startswith("daskps-batch-") and k.endswith(token[:8]))
+
+
+def test_cancel_stops_the_dask_task_of_a_running_batch_at_once(client):
+    """``cancel()`` cancels the Dask task of a batch that is running (the scheduler forgets it while its
+    function still runs) and the rest of that batch never starts."""
+    import uuid
+
+    strategy = dps.ParameterServerStrategy(client)
+    coordinator = dps.ClusterCoordinator(strategy)
+    tag = uuid.uuid4().hex
+    ran = Variable(f"ran-{tag}", client=client)
+    ran.set(0)
+
+    def blocked():
+        Event(f"started-{tag}").set()
+        Event(f"go-{tag}").wait(30)
+
+    def count():
+        ran.set(ran.get() + 1)
+
+    for _ in range(20):  # the first batches are one function per trainer: the rest are queued
+        coordinator.schedule(blocked)
+    assert Event(f"started-{tag}", client=client).wait(10), "no function started"
+    assert client.run_on_scheduler(_batch_keys, strategy.token)
+    assert coordinator.cancel() == 20
+    deadline = time.monotonic() + 10
+    while client.run_on_scheduler(_batch_keys, strategy.token):  # while the functions still wait for "go"
+        assert time.monotonic() < deadline, "the running batches' Dask tasks were not cancelled"
+        time.sleep(0.02)
+    Event(f"go-{tag}", client=client).set()
+    coordinator.schedule(count)
+    coordinator.join()
+    assert ran.get() == 1
+    strategy.close()
+
+
 def test_fetch_after_a_failed_function_of_the_same_batch_does_not_hang(coordinator):
     # Holding the coordinator's (reentrant) lock keeps the pump off until all four are queued:
     # with 2 trainers and no durations known yet, the split is [boom, ok0], [ok1, ok2].
