@@ -113,6 +113,40 @@ def test_cancel_stops_the_dask_task_of_a_running_batch_at_once(client):
     strategy.close()
 
 
+def test_a_batch_cancelled_outside_the_coordinator_fails_its_functions_with_cancelled_error(client):
+    """Its Dask task cancelled by another hand (``client.cancel(..., force=True)``, as ``client.restart()``
+    does): every function of the batch fails with ``CancelledError`` saying so, and the others run."""
+    import uuid
+
+    from distributed import Future
+
+    strategy = dps.ParameterServerStrategy(client)
+    coordinator = dps.ClusterCoordinator(strategy)
+    tag = uuid.uuid4().hex
+
+    def blocked():
+        Event(f"started-{tag}").set()
+        Event(f"go-{tag}").wait(30)
+        return "ran"
+
+    first = coordinator.schedule(blocked)
+    assert Event(f"started-{tag}", client=client).wait(10), "the function never started"
+    [key] = client.run_on_scheduler(_batch_keys, strategy.token)
+    client.cancel([Future(key, client)], force=True)
+    with pytest.raises(dps.errors.CancelledError) as info:
+        first.fetch()
+    assert str(info.value) == (f"the Dask task of batch {key!r} was cancelled outside the coordinator "
+                               "(client.restart() or client.cancel()); its functions did not all run")
+    Event(f"go-{tag}", client=client).set()
+    with pytest.raises(dps.errors.CancelledError):
+        coordinator.join()  # the error, once
+    later = coordinator.schedule(lambda: "after")
+    coordinator.join()
+    assert later.fetch() == "after"
+    assert coordinator.summary()["failed"] == 1
+    strategy.close()
+
+
 def test_fetch_after_a_failed_function_of_the_same_batch_does_not_hang(coordinator):
     # Holding the coordinator's (reentrant) lock keeps the pump off until all four are queued:
     # with 2 trainers and no durations known yet, the split is [boom, ok0], [ok1, ok2].
