@@ -147,6 +147,33 @@ def test_a_batch_cancelled_outside_the_coordinator_fails_its_functions_with_canc
     strategy.close()
 
 
+def test_the_coordinator_counts_a_trainer_that_joins_while_work_is_queued(tmp_path):
+    """Workers come and go: while functions are queued, the coordinator asks the scheduler how many
+    trainers hold the trainers' resource (each second at most) and sizes its batches by the new count."""
+    from distributed import Client, Worker
+
+    with dps.LocalPSCluster(num_ps=1, num_workers=1, processes=False) as cluster, Client(cluster) as client:
+        strategy = dps.ParameterServerStrategy(client)
+        coordinator = dps.ClusterCoordinator(strategy)
+        assert coordinator._trainers == 1
+
+        async def start():
+            return await Worker(cluster.scheduler_address, name="worker-1", nthreads=1, host="127.0.0.1",
+                                resources={strategy.cluster_resolver.worker_resource: 1})
+
+        extra = cluster.sync(start)
+        try:
+            deadline = time.monotonic() + 20
+            while coordinator._trainers != 2:  # counted again as work is dispatched, a second apart
+                assert time.monotonic() < deadline, f"the new trainer was not counted: {coordinator._trainers}"
+                for _ in range(4):
+                    coordinator.schedule(time.sleep, args=(0.1,))
+                coordinator.join()
+        finally:
+            strategy.close()
+            cluster.sync(extra.close)
+
+
 def test_fetch_after_a_failed_function_of_the_same_batch_does_not_hang(coordinator):
     # Holding the coordinator's (reentrant) lock keeps the pump off until all four are queued:
     # with 2 trainers and no durations known yet, the split is [boom, ok0], [ok1, ok2].
