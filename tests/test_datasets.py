@@ -157,6 +157,34 @@ def _slow_next(iterator):
     return next(iterator)
 
 
+@pytest.mark.timeout(60)
+def test_a_trainer_forgets_a_dropped_dataset_while_it_builds_another(coordinator, client):
+    """A dataset dropped (forgotten on every worker, on the worker's event loop) while a trainer is building
+    another one: the forgetting does not wait for the build, which itself may need that loop. (It did wait:
+    the trainer hung for good, seen in CI as a full suite stuck in this file.)"""
+    import uuid
+
+    from distributed import Event
+
+    from daskps.coordinator.datasets import _forget_on_worker
+
+    tag = uuid.uuid4().hex
+
+    def slow_source():
+        Event(f"building-{tag}").set()
+        assert Event(f"go-{tag}").wait(30), "the test never let the build go on"
+        return iter(range(5))
+
+    it = iter(coordinator.create_per_worker_dataset(slow_source))
+    first = coordinator.schedule(next, args=(it,))
+    assert Event(f"building-{tag}", client=client).wait(10), "the dataset was never built"
+    other = coordinator.create_per_worker_dataset(lambda: iter(range(3)))
+    # what dropping `other` has every worker do; it returns while the build above still waits
+    client.run(_forget_on_worker, other._spec.dataset_id)
+    Event(f"go-{tag}", client=client).set()
+    assert first.fetch() == 0
+
+
 def test_a_dataset_that_only_scheduled_functions_hold_lives_until_they_have_run(coordinator):
     """Arguments are pickled when a function is scheduled; the dataset behind an iterator passed so is
     kept by the coordinator until those functions have run, though the caller dropped both."""

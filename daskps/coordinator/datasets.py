@@ -273,8 +273,9 @@ class _WorkerState:
         self.lock = threading.RLock()
 
     def forget(self, dataset_id: str) -> None:
-        with self.lock:
-            self.datasets.pop(dataset_id, None)
+        # Not under the lock: this runs on the worker's event loop, and the lock is held while a dataset
+        # is built or read, which may wait on that loop (fetching the dataset's function): a deadlock.
+        self.datasets.pop(dataset_id, None)
 
     def next(self, spec: _DatasetSpec, iterator_id: int) -> Any:
         with self.lock:
