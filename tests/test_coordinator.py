@@ -313,8 +313,9 @@ def test_ps_death_raises_ps_unavailable(fresh_cluster):
     strategy = dps.ParameterServerStrategy(client)
     coordinator = dps.ClusterCoordinator(strategy)
     with strategy.scope():
-        a = dps.Variable(1.0)  # ps-0
-        b = dps.Variable(2.0)  # ps-1
+        a = dps.Variable(1.0, name="a")  # ps-0
+        b = dps.Variable(2.0, name="b")  # ps-1
+        c = dps.Variable(3.0, name="c")  # ps-0, held here only: the function below does not use it
     old = kill_worker(client, "ps-0")
     with pytest.raises(PSUnavailableError, match="ps:0"):
         for _ in range(100):
@@ -322,8 +323,11 @@ def test_ps_death_raises_ps_unavailable(fresh_cluster):
             time.sleep(0.1)
     assert float(b.numpy()) == 2.0
     coordinator.schedule(lambda: a.assign_add(1.0))
-    with pytest.raises(PSUnavailableError):
+    with pytest.raises(PSUnavailableError) as lost:
         coordinator.join()
+    # the trainer knew of `a` only: the coordinator names all that this process held on the lost server
+    assert "ps:0" in str(lost.value) and "It held 'a', 'c': their values are lost." in str(lost.value)
+    assert c.shape == ()
     wait_for_worker(client, "ps-0", old)
     with pytest.raises(PSUnavailableError):
         a.numpy()

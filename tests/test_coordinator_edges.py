@@ -48,6 +48,60 @@ class _LockedStep:
         return 1
 
 
+def test_each_thread_waiting_for_a_result_is_counted_until_it_has_it(coordinator, client):
+    """A function that finishes wakes the threads waiting in ``fetch()`` only while they are counted: two
+    waiting at once are both counted, and none once both have their values."""
+    import uuid
+
+    tag = uuid.uuid4().hex
+
+    def gated(i):
+        Event(f"go-{tag}").wait(30)
+        return i
+
+    values = [coordinator.schedule(gated, args=(i,)) for i in range(2)]
+    got: dict[int, object] = {}
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, values[i].fetch()), daemon=True)
+               for i in range(2)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while coordinator._fetching != 2:
+        assert time.monotonic() < deadline, f"threads counted waiting: {coordinator._fetching}, not 2"
+        time.sleep(0.005)
+    assert all(v.status == "pending" for v in values)  # both threads are waiting, neither has its value
+    Event(f"go-{tag}", client=client).set()
+    for t in threads:
+        t.join(30)
+    assert got == {0: 0, 1: 1}
+    assert coordinator._fetching == 0
+
+
+def _first_fails(i):
+    if i == 0:
+        raise ValueError(f"function {i} failed")
+    return i
+
+
+def test_the_functions_after_a_failure_in_its_batch_are_counted_cancelled_without_join(coordinator):
+    """A batch stops at its first failure: the functions after it never run, and are counted cancelled as the
+    batch ends (not only when join() raises); nothing stays pending."""
+    with coordinator._cond:  # all six queued before the coordinator makes batches: the first holds 0, 1, 2
+        remotes = [coordinator.schedule(_first_fails, args=(i,)) for i in range(6)]
+    deadline = time.monotonic() + 30
+    while coordinator.summary()["in_flight"]:  # summary() raises nothing, unlike join()
+        assert time.monotonic() < deadline, coordinator.summary()
+        time.sleep(0.01)
+    s = coordinator.summary()
+    assert (s["done"], s["failed"], s["cancelled"], s["in_flight"]) == (3, 1, 2, 0)
+    assert [r.status for r in remotes] == ["error", "cancelled", "cancelled", "finished", "finished", "finished"]
+    with pytest.raises(dps.errors.CancelledError):
+        remotes[1].fetch()
+    with pytest.raises(ValueError, match="function 0 failed"):  # the first error, once
+        coordinator.join()
+    assert coordinator.summary()["cancelled"] == 2
+
+
 def test_schedule_refuses_what_cannot_go_to_a_trainer_word_for_word(coordinator):
     """Each refusal says what was wrong and where, before anything runs."""
     remote = coordinator.schedule(int, args=("3",))

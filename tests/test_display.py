@@ -52,6 +52,35 @@ def test_coordinator_html_counts_and_last_error(strategy, coordinator):
     assert f"<td>{summary['done']}</td><td>{summary['failed']}</td>" in page  # the counts, in their columns
 
 
+def _boom():
+    raise ValueError("boom")
+
+
+def test_summary_rate_is_done_functions_per_second_since_the_coordinator_began(strategy):
+    """``per_second`` divides what finished by the time since the coordinator was made; ``last_error`` is the
+    error's repr, and ``None`` (not the text) before any."""
+    start = time.monotonic()
+    coordinator = dps.ClusterCoordinator(strategy)
+    made = time.monotonic()
+    first = coordinator.summary()
+    assert (first["done"], first["per_second"], first["since_join"], first["last_error"]) == (0, 0.0, 0, None)
+    for _ in range(6):
+        coordinator.schedule(lambda: None)
+    coordinator.join()
+    coordinator.schedule(_boom)
+    deadline = time.monotonic() + 30
+    while coordinator.summary()["failed"] < 1:  # summary() raises nothing, unlike join()
+        assert time.monotonic() < deadline, coordinator.summary()
+        time.sleep(0.005)
+    asked = time.monotonic()
+    s = coordinator.summary()
+    answered = time.monotonic()
+    assert (s["done"], s["failed"], s["since_join"], s["last_error"]) == (6, 1, 1, "ValueError('boom')")
+    assert 6 / (answered - start) <= s["per_second"] <= 6 / (asked - made)
+    with pytest.raises(ValueError, match="boom"):
+        coordinator.join()
+
+
 def test_coordinator_repr_counts_what_it_scheduled_and_how_each_ended(strategy, coordinator):
     assert repr(coordinator) == "<ClusterCoordinator scheduled=0 pending=0 done=0 failed=0 cancelled=0>"
     for _ in range(3):

@@ -9,6 +9,7 @@ values each variable holds after it, and the warning word for word.
 
 from __future__ import annotations
 
+import collections
 import re
 import time
 import warnings
@@ -394,6 +395,31 @@ def test_a_function_that_keeps_losing_its_server_runs_again_three_times_then_fai
         coordinator.join()
     assert len(ATTEMPTS) == 4 and coordinator.summary()["rerun"] == 3
     assert (float(a.numpy()), float(b.numpy())) == (1.0, 1.0)  # nothing was rolled back
+
+
+TRIED: collections.Counter[int] = collections.Counter()  # runs of each function, by its argument
+
+
+def _first_loses_its_server_once(i):  # at module level: pickled by reference, so it counts in TRIED
+    TRIED[i] += 1
+    if i == 0 and TRIED[i] == 1:
+        raise PSUnavailableError("ps:0 cannot be reached (made up by the test)")
+    return i
+
+
+def test_the_functions_after_one_that_lost_its_server_in_its_batch_run_later_once(thread_cluster, tmp_path):
+    """A batch stops at a function that lost its server; with a manager, the functions after it in the batch
+    (not run) are queued again with it, and each runs once in all."""
+    cluster, client = thread_cluster
+    strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path, saved_after=1)
+    TRIED.clear()
+    with coordinator._cond:  # the four are queued before the coordinator makes batches: 0 is first in one
+        remotes = [coordinator.schedule(_first_loses_its_server_once, args=(i,)) for i in range(4)]
+    coordinator.join()
+    assert [r.fetch() for r in remotes] == [0, 1, 2, 3]
+    assert TRIED == {0: 2, 1: 1, 2: 1, 3: 1}
+    # 0 ran again, and at least 1 (its batch's next) was queued again without having run
+    assert coordinator.summary()["rerun"] >= 2 and coordinator.summary()["failed"] == 0
 
 
 def test_a_checkpoint_that_does_not_restore_fails_join_and_says_why(thread_cluster, tmp_path):
