@@ -237,17 +237,36 @@ def test_a_batch_already_running_stops_at_its_next_function_once_cancelled(strat
 
 def _fail_when_set(event_name, tag):
     Event(event_name).wait(60)
+    Event(f"{event_name}-raised").set()
     raise Boom(tag)
 
 
 def test_first_error_wins(coordinator, client):
-    gate = Event("daskps-late-failure", client=client)
-    coordinator.schedule(_fail_after, args=(0.0, "early"))
-    coordinator.schedule(_fail_when_set, args=("daskps-late-failure", "late"))
+    import uuid
+
+    name = f"daskps-late-failure-{uuid.uuid4().hex}"
+    with coordinator._cond:  # one batch each: the late one is running when the early one fails
+        coordinator.schedule(_fail_after, args=(0.0, "early"))
+        coordinator.schedule(_fail_when_set, args=(name, "late"))
     with pytest.raises(Boom, match="early"):
         coordinator.join()
-    gate.set()  # the second failure comes after the first was raised: it is not raised again
+    Event(name, client=client).set()  # the second failure comes after the first was raised: not raised again
+    assert Event(f"{name}-raised", client=client).wait(30), "the late function never raised"
+    token = coordinator.strategy.token[:8]
+
+    def reported(dask_scheduler):  # this coordinator's functions whose reports reached the scheduler
+        return {f for key, fs in dask_scheduler.plugins["daskps"].reported.items() if key.endswith(token) for f in fs}
+
+    deadline = time.monotonic() + 30
+    while 1 not in client.run_on_scheduler(reported):  # the second scheduled (ids count from 0)
+        assert time.monotonic() < deadline, "the late function's report never reached the scheduler"
+        time.sleep(0.01)
+    # its report goes to the coordinator before this one's (one stream, in order): then it has been seen
+    assert coordinator.schedule(int, args=("7",)).fetch() == 7
+    assert coordinator.done()  # raises a pending error, if the late one had been kept
     coordinator.join()
+    summary = coordinator.summary()
+    assert (summary["failed"], summary["last_error"]) == (1, "Boom('early')"), summary
 
 
 def test_error_surfaces_from_schedule(coordinator):
@@ -412,11 +431,35 @@ def test_three_trainer_kills_lose_no_value_and_rerun_little(fresh_cluster):
     assert 0 <= extra < 75, f"{extra} extra runs"
 
 
+def _early_and_batch():
+    from distributed import get_worker
+
+    return "early", get_worker().get_current_task()
+
+
+def _released_and_batch(event_name):
+    from distributed import get_worker
+
+    Event(event_name).wait(60)
+    return "released", get_worker().get_current_task()
+
+
 def test_results_reach_the_coordinator_before_the_batch_ends(strategy, coordinator, client):
-    gate = Event("daskps-batch-gate", client=client)
-    first = coordinator.schedule(lambda: "early")
-    blocked = [coordinator.schedule(_wait_for, args=("daskps-batch-gate",)) for _ in range(6)]
-    assert first.fetch() == "early"  # while later functions (maybe in its batch) still wait
-    gate.set()
+    import uuid
+
+    name = f"daskps-batch-gate-{uuid.uuid4().hex}"
+    with coordinator._cond:  # queued together, durations unknown: batches of 4 (the first with it) and 3
+        first = coordinator.schedule(_early_and_batch)
+        blocked = [coordinator.schedule(_released_and_batch, args=(name,)) for _ in range(6)]
+    got: list = []
+    fetching = threading.Thread(target=lambda: got.append(first.fetch()), daemon=True)
+    fetching.start()
+    fetching.join(20)
+    arrived, pending = bool(got), [b.status for b in blocked]
+    Event(name, client=client).set()
     coordinator.join()
-    assert {b.fetch() for b in blocked} == {"released"}
+    assert arrived and got[0][0] == "early", "the first result came only when its batch ended"
+    assert pending == ["pending"] * 6  # every function after it still waited when it came
+    batches = [b.fetch() for b in blocked]
+    assert {r for r, _ in batches} == {"released"}
+    assert got[0][1] in {key for _, key in batches}  # it shared its batch with functions still waiting

@@ -342,9 +342,10 @@ def _trainer_and_ids(iterator):
 def _exactly_once_batches(coordinator, rows, shuffle, seed=3, keep=None):
     frame = dd.from_pandas(pd.DataFrame({"id": np.arange(rows)}), npartitions=7)
     data = dps.data.from_dask(frame, batch_size=700, shuffle=shuffle, seed=seed, epochs=2, exactly_once=True)
-    it = iter(coordinator.create_per_worker_dataset(data))
+    dataset = coordinator.create_per_worker_dataset(data)
+    it = iter(dataset)
     if keep is not None:  # the dataset lives on (dropped, its ledger goes from the scheduler)
-        keep.append(it)
+        keep.extend([dataset, it])
     return coordinator.fetch([coordinator.schedule(_trainer_and_ids, args=(it,)) for _ in range(70)])
 
 
@@ -367,12 +368,14 @@ def test_exactly_once_without_failures_hands_every_row_out_once_per_epoch(coordi
                        if ids is not None)
         assert again == as_set and other != as_set
 
-    def remembered(dask_scheduler):  # batches the scheduler keeps for functions that might run again
-        queues = [q for ledger in dask_scheduler.plugins["daskps"].inputs.values() for q in ledger.queues.values()]
-        return len(queues), sum(len(q.given) for q in queues)
+    name = kept[0]._keep.name  # this dataset's ledger (the shuffled case's other two may be there too)
 
-    queues, given = coordinator.strategy.client.run_on_scheduler(remembered)
-    assert queues >= 1 and given == 0  # the dataset's ledger is there, and every function reported: none kept
+    def remembered(dask_scheduler):  # batches the scheduler keeps for functions that might run again
+        ledger = dask_scheduler.plugins["daskps"].inputs.get(name)
+        return None if ledger is None else (len(ledger.queues), sum(len(q.given) for q in ledger.queues.values()))
+
+    found = coordinator.strategy.client.run_on_scheduler(remembered)
+    assert found is not None and found[0] == 1 and found[1] == 0, found  # its ledger, all reported: none kept
 
 
 def test_exactly_once_with_drop_remainder_hands_out_only_full_batches(coordinator):

@@ -58,16 +58,24 @@ def test_dataset_is_built_on_workers_never_here(coordinator):
     assert coordinator.schedule(_next, args=(it,)).fetch() == 1
 
 
+def _read_on_both(coordinator, it) -> dict[str, list[int]]:
+    """Read ``it`` until both trainers have read from it: ``{trainer: values read there, in order}``."""
+    seen: dict[str, list[int]] = {}
+    deadline = time.monotonic() + 60
+    while len(seen) < 2:
+        assert time.monotonic() < deadline, f"one trainer ran every function: {seen}"
+        for name, value in coordinator.fetch([coordinator.schedule(_where_and_next, args=(it,)) for _ in range(8)]):
+            seen.setdefault(name, []).append(value)
+    return seen
+
+
 def test_iter_gives_fresh_iterators(coordinator):
     ds = coordinator.create_per_worker_dataset(lambda: iter(range(1000)))
-    first = iter(ds)
-    for _ in range(6):
-        coordinator.schedule(_next, args=(first,))
-    coordinator.join()
-    second = iter(ds)
-    values = coordinator.fetch([coordinator.schedule(_next, args=(second,)) for _ in range(2)])
-    # a fresh pass starts again at 0 on whichever worker runs it first
-    assert 0 in values
+    first = _read_on_both(coordinator, iter(ds))  # both trainers are past 0 on the first iterator
+    second = _read_on_both(coordinator, iter(ds))
+    # a fresh pass starts again at 0 on each trainer, and goes on in order, whatever the first read
+    for values in (*first.values(), *second.values()):
+        assert values == list(range(len(values))), (first, second)
 
 
 def test_iterator_handle_is_small(coordinator):
@@ -215,8 +223,9 @@ def test_restarted_worker_builds_its_own(fresh_cluster):
     it = iter(coordinator.create_per_worker_dataset(dataset_fn))
     before = coordinator.fetch([coordinator.schedule(_where_and_next, args=(it,)) for _ in range(10)])
     old = kill_worker(client, "worker-1")
-    wait_for_worker(client, "worker-1", old)
-    old_pids = {pid for name, (_, pid) in before if name == "worker-1"}
+    address = wait_for_worker(client, "worker-1", old)
+    new_pid = client.run(os.getpid, workers=[address])[address]
+    assert new_pid not in {pid for _, (_, pid) in before}  # a new process
     new = []
     for _ in range(20):  # quick functions may all go to the other trainer; ask again until it gets some
         after = coordinator.fetch([coordinator.schedule(_where_and_next, args=(it,)) for _ in range(20)])
@@ -224,7 +233,7 @@ def test_restarted_worker_builds_its_own(fresh_cluster):
         if new:
             break
     assert new, "the restarted worker ran nothing"
-    assert all(index == 1 and pid not in old_pids for index, pid in new)
+    assert all(index == 1 and pid == new_pid for index, pid in new), (new_pid, new)  # built in the new process
 
 
 def test_worker_that_joins_later_builds_its_own(fresh_cluster, tmp_path):

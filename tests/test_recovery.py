@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 import warnings
 
@@ -57,6 +58,7 @@ def test_killed_ps_is_recreated_and_restored_while_400_functions_are_pending(fre
 
     remotes = [coordinator.schedule(step) for _ in range(400)]
     wait_done(coordinator, 70)
+    lost = coordinator.summary()["done"] - 50  # finished before the kill: their updates to a are lost
     kill_worker(client, "ps-0")
     with pytest.warns(RollbackWarning) as caught:
         wait_for_recovery(coordinator)
@@ -64,8 +66,9 @@ def test_killed_ps_is_recreated_and_restored_while_400_functions_are_pending(fre
     assert all(r.fetch() is not None for r in remotes)  # every function finished
     text = str(caught[0].message)
     assert "ps:0" in text and path in text, text
-    assert "'a'" in text and "'opt/iterations'" in text and "'b'" not in text, text
-    assert "'counter'" in text and "initial value" in text, text  # in no checkpoint: back to its initial value
+    assert re.search(r"Rolled back to checkpoint [^:]+: 'a', 'opt/iterations'; every update", text), text
+    assert re.search(r"Back to their initial value \(in no checkpoint\): 'counter'\.", text), text
+    assert "'b'" not in text, text
     assert "every update made to them after it is lost" in text, text
     (report,) = coordinator.recoveries
     assert report.functions_since is not None and report.functions_since >= 20, report
@@ -74,7 +77,12 @@ def test_killed_ps_is_recreated_and_restored_while_400_functions_are_pending(fre
     assert float(a.numpy()) > saved_a
     assert float(b.numpy()) > saved_b and float(untracked.numpy()) == 7.0
     assert float(counter.numpy()) == 3.0
-    assert float(a.numpy()) <= 450.0  # rolled back: the updates made after the save were lost
+    # rolled back to the checkpoint's 50 (not to 0, not kept), then 1 added by each function not finished
+    # before the kill, at least by each that began knowing the new server (a generation after 0)
+    after = sum(n for generation, n in coordinator._finished_by_generation().items() if generation > 0)
+    assert lost >= 20 and after > 0, (lost, after)
+    assert saved_a + after <= float(a.numpy()) <= saved_a + 400 - lost, (lost, after, float(a.numpy()))
+    assert float(a.numpy()) == int(opt.iterations.numpy())  # both on ps-0, both rolled back to 50
     # The strategy, variables, optimizer and dataset keep working, nothing made again by hand.
     before_a, before_iters = float(a.numpy()), int(opt.iterations.numpy())
     for _ in range(20):
@@ -132,6 +140,7 @@ def test_manager_given_later_and_recovery_before_any_checkpoint(fresh_cluster, t
     for _ in range(300):
         coordinator.schedule(step)
     wait_done(coordinator, 20)
+    lost = coordinator.summary()["done"]  # finished before the kill: their updates to a are lost
     kill_worker(client, "ps-0")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -141,7 +150,7 @@ def test_manager_given_later_and_recovery_before_any_checkpoint(fresh_cluster, t
     assert "No checkpoint had been saved yet" in str(warning.message)
     assert "'a'" in str(warning.message)
     assert float(b.numpy()) >= 300.0  # every function ran (a few maybe twice)
-    assert (a.numpy() >= 2.0).all() and (a.numpy() < 302.0).all()
+    assert lost >= 20 and (a.numpy() > 2.0).all() and (a.numpy() <= 2.0 + 300 - lost).all(), (lost, a.numpy())
 
 
 def _sgd_momentum(w, m, g, lr, mu, steps):
