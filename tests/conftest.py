@@ -146,8 +146,13 @@ def kill_worker(client: Client, name: str) -> str:
 
 def wait_done(coordinator, n: int, timeout: float = 60) -> None:
     """Wait until ``coordinator`` has finished ``n`` functions."""
+    wait_for_summary(coordinator, lambda s: s["done"] >= n, timeout)
+
+
+def wait_for_summary(coordinator, ok, timeout: float = 60) -> None:
+    """Wait until ``ok(coordinator.summary())`` (which raises nothing, unlike join())."""
     deadline = time.monotonic() + timeout
-    while coordinator.summary()["done"] < n:
+    while not ok(coordinator.summary()):
         assert time.monotonic() < deadline, coordinator.summary()
         time.sleep(0.01)
 

@@ -11,7 +11,7 @@ from distributed import Event, Variable
 
 import daskps as dps
 
-from .conftest import PickySGD, kill_worker, wait_for_worker, worker_address
+from .conftest import PickySGD, kill_worker, wait_for_summary, wait_for_worker, worker_address
 
 
 def _boom():
@@ -88,10 +88,7 @@ def test_the_functions_after_a_failure_in_its_batch_are_counted_cancelled_withou
     batch ends (not only when join() raises); nothing stays pending."""
     with coordinator._cond:  # all six queued before the coordinator makes batches: the first holds 0, 1, 2
         remotes = [coordinator.schedule(_first_fails, args=(i,)) for i in range(6)]
-    deadline = time.monotonic() + 30
-    while coordinator.summary()["in_flight"]:  # summary() raises nothing, unlike join()
-        assert time.monotonic() < deadline, coordinator.summary()
-        time.sleep(0.01)
+    wait_for_summary(coordinator, lambda s: s["in_flight"] == 0, 30)
     s = coordinator.summary()
     assert (s["done"], s["failed"], s["cancelled"], s["in_flight"]) == (3, 1, 2, 0)
     assert [r.status for r in remotes] == ["error", "cancelled", "cancelled", "finished", "finished", "finished"]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import daskps as dps
-from tests.conftest import kill_worker
+from tests.conftest import kill_worker, wait_for_summary
 
 
 def test_strategy_html_lists_servers_trainers_and_dashboard(strategy):
@@ -68,10 +68,7 @@ def test_summary_rate_is_done_functions_per_second_since_the_coordinator_began(s
         coordinator.schedule(lambda: None)
     coordinator.join()
     coordinator.schedule(_boom)
-    deadline = time.monotonic() + 30
-    while coordinator.summary()["failed"] < 1:  # summary() raises nothing, unlike join()
-        assert time.monotonic() < deadline, coordinator.summary()
-        time.sleep(0.005)
+    wait_for_summary(coordinator, lambda s: s["failed"] >= 1, 30)
     asked = time.monotonic()
     s = coordinator.summary()
     answered = time.monotonic()
