@@ -38,7 +38,7 @@ def test_an_oserror_raised_by_the_server_is_its_answer_not_a_lost_server(strateg
         v = dps.Variable([1.0], name="v")
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    with pytest.raises(OSError) as raised:  # the server cannot make its directory under a file
+    with pytest.raises(NotADirectoryError, match="Not a directory") as raised:  # the server cannot make its directory under a file
         protocol.save(str(blocker / "ckpt"), [(v._ref, "v", 0, [])])
     assert not isinstance(raised.value, PSUnavailableError), raised.value
     assert v.numpy().tolist() == [1.0]  # and the channel still answers in step
@@ -57,6 +57,7 @@ def test_the_channel_format_keeps_every_array_as_it_was():
         frames = [bytearray(f) for f in wire.pack_grouped(message, by_value)]  # as read from a socket
         assert len(frames) == 4  # header, table, the small arrays' data, the one large array
         out = wire.unpack_grouped(frames)
+        assert len(out[1]) == len(cases)  # zip below would stop at the shorter
         for sent, got in zip(cases, out[1]):
             assert type(got) is type(sent) and got.dtype == sent.dtype and got.shape == sent.shape
             if sent.dtype.kind != "O":

@@ -61,8 +61,8 @@ def test_merge_call_rejects_non_callable():
 def test_all_reduce_keeps_structure():
     ctx = dps.get_replica_context()
     out = ctx.all_reduce("sum", {"a": [1.0, 2.0], "b": (3,)})
-    np.testing.assert_array_equal(out["a"][1], 2.0)
-    assert isinstance(out["b"], tuple)
+    np.testing.assert_array_equal(out["a"], [1.0, 2.0])
+    assert isinstance(out["b"], tuple) and out["b"] == (3,)
     with pytest.raises(ValueError, match="reduce_op"):
         ctx.all_reduce("prod", 1.0)
 
@@ -116,5 +116,11 @@ def test_replica_context_rejects_non_integer_id():
 
 
 def test_options_are_frozen_dataclasses():
+    import dataclasses
+
     assert dps.RunOptions().experimental_enable_dynamic_batch_size
     assert dps.InputOptions().experimental_per_replica_buffer_size == 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        dps.RunOptions().experimental_enable_dynamic_batch_size = False
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        dps.InputOptions().experimental_per_replica_buffer_size = 2

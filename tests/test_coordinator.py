@@ -9,6 +9,7 @@ from distributed import Client, Event
 
 import daskps as dps
 from daskps.errors import CancelledError, ClosedError, PSUnavailableError
+from daskps.ps.plugin import LOST
 
 from .conftest import kill_worker, wait_for_worker, worker_address
 
@@ -250,17 +251,38 @@ def test_first_error_wins(coordinator, client):
         coordinator.schedule(_fail_when_set, args=(name, "late"))
     with pytest.raises(Boom, match="early"):
         coordinator.join()
-    Event(name, client=client).set()  # the second failure comes after the first was raised: not raised again
-    assert Event(f"{name}-raised", client=client).wait(30), "the late function never raised"
     token = coordinator.strategy.token[:8]
 
-    def reported(dask_scheduler):  # this coordinator's functions whose reports reached the scheduler
-        return {f for key, fs in dask_scheduler.plugins["daskps"].reported.items() if key.endswith(token) for f in fs}
+    def batches(dask_scheduler):  # this coordinator's batches the scheduler still knows
+        return [key for key in dask_scheduler.tasks if key.startswith("daskps-batch-") and key.endswith(token)]
 
     deadline = time.monotonic() + 30
-    while 1 not in client.run_on_scheduler(reported):  # the second scheduled (ids count from 0)
+    while client.run_on_scheduler(batches):  # join() cancels them as it raises; the scheduler forgets them
+        assert time.monotonic() < deadline, "the late function's batch was never cancelled"
+        time.sleep(0.01)
+    Event(name, client=client).set()  # the second failure comes after the first was raised: not raised again
+    assert Event(f"{name}-raised", client=client).wait(30), "the late function never raised"
+
+    def reported():  # this coordinator's functions whose reports reached the scheduler (its event log)
+        return {row[0] for _, (key, rows) in client.get_events(coordinator._topic) if key != LOST for row in rows}
+
+    deadline = time.monotonic() + 30
+    while 1 not in reported():  # the second scheduled (ids count from 0)
         assert time.monotonic() < deadline, "the late function's report never reached the scheduler"
         time.sleep(0.01)
+    (late_batch, reported_at), = [(key, at) for at, (key, rows) in client.get_events(coordinator._topic)
+                                  if key != LOST and any(row[0] == 1 for row in rows)]
+
+    def forgotten_at(dask_scheduler):  # when the scheduler forgot the late function's batch (cancelled)
+        return [t[-1] for t in dask_scheduler.story(late_batch) if t[0] == late_batch and t[2] == "forgotten"]
+
+    (forgotten,) = client.run_on_scheduler(forgotten_at)
+    assert forgotten < reported_at, "the late function reported before its batch was cancelled"
+
+    def kept(dask_scheduler):  # a cancelled batch never runs again: its late report is not kept
+        return late_batch in dask_scheduler.plugins["daskps"].reported
+
+    assert not client.run_on_scheduler(kept)
     # its report goes to the coordinator before this one's (one stream, in order): then it has been seen
     assert coordinator.schedule(int, args=("7",)).fetch() == 7
     assert coordinator.done()  # raises a pending error, if the late one had been kept

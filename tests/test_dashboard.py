@@ -68,8 +68,11 @@ def check_page(client: Client) -> str:
     for addr in addresses:
         assert addr in text
     assert "ps 0" in text and "ps 1" in text and "7.81 kiB" in text
-    completed = [int(n) for n in re.findall(r"tcp://127\.0\.0\.1:\d+ (\d+) \d+", text.split("Trainers", 1)[1])]
-    assert sum(completed) >= 6
+    for ps in held[0]._ps:  # each server's row: its bytes, 1 variable, 1 shard (the headers alone say nothing)
+        assert re.search(rf"ps {ps.task_id} {re.escape(ps.address)} 7\.81 kiB 1 1 [\d.,]+ [\d.,]+ ok", text), text
+    trainers = text.split("Trainers", 1)[1]  # counts of 1,000 and more have a separator
+    completed = [int(n.replace(",", "")) for n in re.findall(r"tcp://127\.0\.0\.1:\d+ ([\d,]+) [\d,]+", trainers)]
+    assert sum(completed) >= 6, text
     return text
 
 

@@ -434,7 +434,7 @@ SCHEDULE_CASES = {
     "a variable made outside the scope": (lambda s: (_local_variable_step(s.w), (), {}), ValueError,
                                           "variable 'local_only' was created outside strategy.scope()"),
     "a RemoteValue as an argument": (lambda s: (_bump, (s.w, s.coordinator.schedule(int)), {}), ValueError,
-                                     "RemoteValue"),
+                                     r"^args contains a RemoteValue; .*fetch\(\) it first"),
 }
 
 

@@ -191,12 +191,12 @@ def test_optimizer_made_outside_the_scope_is_refused_for_remote_variables(strate
         opt.apply_gradients([(np.ones(2, np.float32), v)])
 
 
-@pytest.mark.parametrize("make", [
-    lambda: dps.optimizers.SGD(0.0), lambda: dps.optimizers.SGD(0.1, momentum=-1),
-    lambda: dps.optimizers.Adam(beta_1=1.0), lambda: dps.optimizers.Adagrad(epsilon=0),
+@pytest.mark.parametrize("make, arg", [
+    (lambda: dps.optimizers.SGD(0.0), "learning_rate"), (lambda: dps.optimizers.SGD(0.1, momentum=-1), "momentum"),
+    (lambda: dps.optimizers.Adam(beta_1=1.0), "beta_1"), (lambda: dps.optimizers.Adagrad(epsilon=0), "epsilon"),
 ])
-def test_bad_hyperparameters(make):
-    with pytest.raises(ValueError):
+def test_bad_hyperparameters(make, arg):
+    with pytest.raises(ValueError, match=rf"^{arg} must be"):
         make()
 
 

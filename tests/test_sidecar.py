@@ -75,6 +75,11 @@ def count_ids(path: str, batches) -> dict:
             "where": where, "path": path}
 
 
+def _in_memory(keys, dask_scheduler=None) -> list:
+    """Which of ``keys`` a worker still holds (run on the scheduler: ``Client.who_has`` takes futures, not keys)."""
+    return [k for k, where in dask_scheduler.get_who_has(keys).items() if where]
+
+
 def test_evaluates_a_from_dask_dataset_on_the_evaluator_reading_every_row_once(with_evaluator, tmp_path):
     import dask.dataframe as dd
     import pandas as pd
@@ -101,7 +106,7 @@ def test_evaluates_a_from_dask_dataset_on_the_evaluator_reading_every_row_once(w
     del sidecar
     gc.collect()
     deadline = time.monotonic() + 20
-    while name in with_evaluator.list_datasets() or with_evaluator.who_has(list(held)):
+    while name in with_evaluator.list_datasets() or with_evaluator.run_on_scheduler(_in_memory, list(held)):
         assert time.monotonic() < deadline, "the sidecar's data was not released"
         time.sleep(0.1)
 

@@ -200,8 +200,9 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
         batch_key, finished = msg
         if batch_key == LOST:
             return
-        reported = self.reported.setdefault(batch_key, set())
         ts = self.scheduler.tasks.get(batch_key) if self.scheduler is not None else None
+        # A batch the scheduler has forgotten (cancelled) never runs again: its late report is not kept.
+        reported = self.reported.setdefault(batch_key, set()) if ts is not None else set()
         where = ts.processing_on.address if ts is not None and ts.processing_on is not None else None
         safe = []
         for report in (FunctionReport(*row) for row in finished):
