@@ -13,6 +13,7 @@ import sys
 import time
 from typing import NamedTuple
 
+import dask
 import numpy as np
 import pytest
 from _pytest.doctest import DoctestItem
@@ -25,6 +26,11 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 import daskps as dps
 from daskps._core.transforms import SGDState
 from daskps.distribute.cluster import cluster_workers
+
+# Worker processes of the clusters made here fork from one process that has imported Dask, numpy and
+# pandas already (Dask's own test suite does the same): a cluster starts in 0.4 s instead of 2 s. Scripts
+# and notebooks the tests run in a process of their own keep Dask's default (spawn).
+dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
 
 # tests/data holds generated fixtures and the script (needing TensorFlow) that makes them.
 collect_ignore_glob = ["data/*", "mutation/*"]  # mutation/: tools for mutation testing (tests/README.md)
