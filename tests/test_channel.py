@@ -102,3 +102,35 @@ def test_threads_pruning_channels_to_gone_servers_at_once_forget_each_and_none_r
         assert not chans  # every dead channel forgotten
     listener.close()
     assert errors == []
+
+
+def test_a_server_listening_where_a_released_one_did_gets_a_channel_of_its_own():
+    """A server made after another's release may be given the port the old one listened on (the same
+    host for every worker of a machine): the old server's channel, still open in a trainer, must not
+    carry the new server's requests (they reached the old connection, which closed: "dropped its
+    channel", seen once in CI)."""
+    import socket
+
+    from daskps.ps.routing import ServerRef
+    from daskps.ps.transport import Channels
+
+    channels = Channels()
+    old_listener = socket.create_server(("127.0.0.1", 0))
+    port = old_listener.getsockname()[1]
+    old = ServerRef("tcp://127.0.0.1:1", "old-server", 0, f"127.0.0.1:{port}")
+    old_channel = channels.get(old)
+    old_channel._connected()
+    old_end = old_listener.accept()[0]  # the old server's end stays open: it has not noticed yet
+    old_listener.close()
+    new_listener = socket.create_server(("127.0.0.1", port))  # the new server, on the same port
+    new = ServerRef("tcp://127.0.0.1:2", "new-server", 1, f"127.0.0.1:{port}")
+    new_channel = channels.get(new)
+    assert new_channel is not old_channel
+    new_channel._connected()
+    new_end = new_listener.accept()[0]  # it reached the new server
+    assert channels.get(old) is old_channel and channels.get(new) is new_channel
+    channels.forget([old])
+    assert channels.get(new) is new_channel and old_channel._sock is None  # closed; the new one kept
+    channels.forget([new])
+    for sock in (old_end, new_end, new_listener):
+        sock.close()

@@ -253,11 +253,11 @@ class Channel:
             self.lock.release()
 
 
-def prune(channels: dict[str, Channel]) -> None:
+def prune(channels: dict[Any, Channel]) -> None:
     """Close and forget the channels whose servers have gone (they would hold file descriptors)."""
-    for address, ch in list(channels.items()):
+    for key, ch in list(channels.items()):
         if ch.close_if_dead():
-            channels.pop(address, None)
+            channels.pop(key, None)
 
 
 def _send_all(sock: socket.socket, parts: list[memoryview]) -> None:

@@ -253,22 +253,28 @@ LOST_PROBE = 1.0
 
 
 class Channels:
-    """This process's direct channels, by server address."""
+    """This process's direct channels, by server: its channel's address and its actor key.
+
+    Not by address alone: a server made after another's release may listen on
+    the port the released one had, and a channel still open to the old one
+    must not carry its requests.
+    """
 
     def __init__(self) -> None:
-        self.open: dict[str, channel.Channel] = {}
+        self.open: dict[tuple[str, str], channel.Channel] = {}
 
-    def get(self, address: str) -> channel.Channel:
-        found = self.open.get(address)
+    def get(self, server: ServerRef) -> channel.Channel:
+        key = (str(server.channel), server.actor_key)
+        found = self.open.get(key)
         if found is None:
             channel.prune(self.open)  # a new server: a good moment to drop channels to servers gone
-            found = self.open.setdefault(address, channel.Channel(address, connect_timeout()))
+            found = self.open.setdefault(key, channel.Channel(str(server.channel), connect_timeout()))
         return found
 
     def forget(self, servers: Sequence[ServerRef]) -> None:
         """Close the channels to ``servers`` (their group was released)."""
         for server in servers:
-            found = self.open.pop(server.channel, None) if server.channel else None
+            found = self.open.pop((server.channel, server.actor_key), None) if server.channel else None
             if found is not None:
                 with found.lock:
                     found.close()
@@ -283,7 +289,7 @@ class Channels:
         if owner is not None:
             check_client(getattr(owner, "client", None))
         servers = sorted(batches, key=lambda s: s.channel or "")
-        chans = [self.get(s.channel) for s in servers if s.channel]
+        chans = [self.get(s) for s in servers if s.channel]
         for ch in chans:
             ch.lock.acquire()
         awaiting: list[channel.Channel] = []  # sent to, answer not read yet
