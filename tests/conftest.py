@@ -142,11 +142,16 @@ def datasets_built(dask_worker) -> list[str]:
     return sorted(state.datasets) if state is not None else []
 
 
+def worker_pid(client: Client, name: str) -> int:
+    """The process id of the worker called ``name`` (asked ahead, a kill is one system call)."""
+    addr = worker_address(client, name)
+    return client.run(os.getpid, workers=[addr])[addr]
+
+
 def kill_worker(client: Client, name: str) -> str:
     """SIGKILL the worker process called ``name``; return its old address."""
     addr = worker_address(client, name)
-    pid = client.run(os.getpid, workers=[addr])[addr]
-    os.kill(pid, signal.SIGKILL)
+    os.kill(worker_pid(client, name), signal.SIGKILL)
     return addr
 
 

@@ -24,7 +24,7 @@ import pytest
 import daskps as dps
 from daskps.errors import PSUnavailableError, RollbackWarning
 
-from .conftest import kill_worker, wait_done, wait_for_recovery, wait_for_worker, worker_address
+from .conftest import kill_worker, wait_done, wait_for_recovery, wait_for_worker, worker_address, worker_pid
 
 TIMEOUT = pytest.mark.timeout(180)
 
@@ -103,8 +103,7 @@ def _rollbacks(caught):
 
 def _kill_when(coordinator, client, name, done, box):
     """SIGKILL worker ``name`` from a thread once ``coordinator`` has finished ``done`` functions."""
-    address = worker_address(client, name)
-    pid = client.run(os.getpid, workers=[address])[address]  # asked now: the kill itself is a system call
+    pid = worker_pid(client, name)  # asked now: the kill itself is one system call
 
     def run():
         try:
@@ -121,8 +120,7 @@ def _kill_when(coordinator, client, name, done, box):
 
 def _kill_when_a_save_starts(client, name, directory, box):
     """SIGKILL worker ``name`` from a thread as soon as a new entry appears in ``directory`` (a save began)."""
-    address = worker_address(client, name)
-    pid = client.run(os.getpid, workers=[address])[address]  # asked now: the kill itself is a system call
+    pid = worker_pid(client, name)  # asked now: the kill itself is one system call
     before = set(os.listdir(directory))
 
     def run():
