@@ -5,12 +5,13 @@ from __future__ import annotations
 import gc
 import os
 import time
+import uuid
 import warnings
 
 import numpy as np
 import psutil
 import pytest
-from distributed import Client, get_worker
+from distributed import Client, Event, get_worker
 
 import daskps as dps
 from daskps.distribute.cluster import cluster_workers
@@ -212,6 +213,11 @@ def _keep(v):
     get_worker()._daskps_test_kept = v
 
 
+def _keep_until(v, go):
+    _keep(v)
+    assert Event(go).wait(30), "the test never let the function go on"
+
+
 def _read_kept():
     return get_worker()._daskps_test_kept.numpy()
 
@@ -264,12 +270,16 @@ def test_handles_kept_on_trainers_are_counted_on_a_recreated_server_as_its_recov
     manager = dps.CheckpointManager(dps.Checkpoint(other=other), str(tmp_path))
     coordinator = dps.ClusterCoordinator(strategy, checkpoint_manager=manager)
     key = v._ref.key
-    for _ in range(20):  # until both trainers keep it
-        coordinator.schedule(_keep, args=(v,))
-        coordinator.join()
-        if len([has for has in client.run(lambda dask_worker: hasattr(dask_worker, "_daskps_test_kept")).values()
-                if has]) == 2:
-            break
+    # Both trainers keep it: two functions, each held until the other has kept it too (one after the other
+    # on one trainer, the first would wait out its timeout). Dask gives a lone batch to the same idle worker
+    # each time, so scheduling one at a time until both have run may never reach the second.
+    go = f"go-{uuid.uuid4().hex}"
+    for _ in range(2):
+        coordinator.schedule(_keep_until, args=(v, go))
+    wait_until(lambda: sum(client.run(lambda dask_worker: hasattr(dask_worker, "_daskps_test_kept")).values()) == 2,
+               what="both trainers keeping the handle")
+    Event(go, client=client).set()
+    coordinator.join()
     assert holders(client, [key]) == {key: {"coordinator": 1, "trainer": 2}}
     manager.save()
     ps = next(info["name"] for addr, info in cluster_workers(client).items()
