@@ -12,7 +12,7 @@ import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
-from distributed import get_worker, wait
+from distributed import Event, get_worker, wait
 
 import daskps as dps
 from daskps.coordinator.dask_input import assign
@@ -173,6 +173,34 @@ def test_partitions_held_elsewhere_are_fetched_once(client, coordinator):
     assert {name: len(bs) for name, bs in seen.items()} == {"worker-0": 18, "worker-1": 18}  # balanced by rows
     after = _transfers(client)
     assert after[trainers["worker-0"]] - before[trainers["worker-0"]] == 3  # 3 partitions moved, each sent once
+
+
+def _busy_until(started, go):
+    Event(started).set()
+    assert Event(go).wait(30), "the test never let the task go on"
+
+
+def test_rows_are_counted_where_the_partitions_lie(client, coordinator):
+    """A frame's rows are counted (its partitions' lengths are unknown) on the worker that holds each
+    partition, even while that worker is busy: counted by whichever idle worker took the task, a partition
+    would be copied there, and stay until Dask drops the replica."""
+    import threading
+    import uuid
+
+    holder = dict(coordinator.strategy.cluster_resolver.training_workers())["worker-0"]
+    frame = client.persist(dd.from_pandas(pd.DataFrame({"id": np.arange(4000)}), npartitions=8), workers=[holder])
+    wait(frame)
+    tag = uuid.uuid4().hex
+    busy = client.submit(_busy_until, f"started-{tag}", f"go-{tag}", workers=[holder], pure=False)
+    assert Event(f"started-{tag}", client=client).wait(30), "the holder never got busy"
+    # for a second the counts wait behind the busy holder while every other worker is idle (Dask's work
+    # stealing looks every 100 ms)
+    threading.Timer(1.0, Event(f"go-{tag}", client=client).set).start()
+    ds = coordinator.create_per_worker_dataset(dps.data.from_dask(frame, batch_size=500))
+    assert busy.status == "finished"  # the counting did wait for the holder
+    held = client.who_has(frame)
+    assert len(held) == 8 and all(list(where) == [holder] for where in held.values()), held
+    del ds
 
 
 def test_a_dropped_dataset_frees_its_partitions(client, coordinator):
@@ -410,8 +438,14 @@ def test_a_trainer_tells_the_ledger_what_it_started_without_being_asked(client, 
     started: dict[str, set] = {}
     for trainer, _, batch in coordinator.fetch([coordinator.schedule(_where_and_next, args=(it,)) for _ in range(6)]):
         started.setdefault(trainer, set()).update((batch["id"] // 100).tolist())  # one partition a batch
-    time.sleep(1.0)  # twenty times the notes' period, and no more reads: only the notes can have told it
-    ahead = client.run_on_scheduler(_ledger_ahead, name)[1]
+    # no more reads: only the notes (every 50 ms) can tell it
+    deadline = time.monotonic() + 10
+    while True:
+        ahead = client.run_on_scheduler(_ledger_ahead, name)[1]
+        if not any(set(ahead[trainer]) & parts for trainer, parts in started.items()):
+            break
+        assert time.monotonic() < deadline, (started, ahead)
+        time.sleep(0.05)
     for trainer, parts in started.items():
         assert not set(ahead[trainer]) & parts, (trainer, parts, ahead)  # started: told
         assert ahead[trainer], ahead  # handed ahead, not started yet: held for it

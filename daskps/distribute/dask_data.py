@@ -21,7 +21,7 @@ from typing import Any
 
 import dask.config
 import numpy as np
-from distributed import Future, futures_of, worker_client
+from distributed import Future, futures_of, wait, worker_client
 
 from daskps._core.arrays import is_int
 
@@ -234,13 +234,22 @@ def _is_alias(task: Any) -> bool:
 
 def rows_per_partition(client: Any, spec: DaskInput, futures: list[list[Future]]) -> list[int]:
     """Rows of each partition, the same for every component (refused naming the component otherwise)."""
-    lengths = [_known_rows(p) or client.gather(client.map(len, fs, pure=False)) for p, fs in zip(spec.parts, futures)]
+    lengths = [_known_rows(p) or _count_rows(client, fs) for p, fs in zip(spec.parts, futures)]
     for i, these in enumerate(lengths[1:], start=1):
         if list(these) != list(lengths[0]):
             label = f"collection[{spec.names[i]!r}]" if spec.names else f"collection[{i}]"
             raise ValueError(f"{label} must have the same rows per partition as the first: got "
                              f"{list(these)} against {list(lengths[0])}")
     return [int(n) for n in lengths[0]]
+
+
+def _count_rows(client: Any, futures: list[Future]) -> list[int]:
+    """Rows of each partition, counted on a worker that holds it: counted anywhere, Dask's work stealing
+    could copy a partition to a worker it was not persisted on."""
+    wait(futures)
+    holders = client.who_has(futures)
+    return client.gather([client.submit(len, f, workers=list(holders.get(f.key, ())) or None, pure=False)
+                          for f in futures])
 
 
 def read_partition(worker: Any, futures: tuple[Future, ...]) -> tuple[list[Any], bool]:
