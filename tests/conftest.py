@@ -148,6 +148,16 @@ def worker_pid(client: Client, name: str) -> int:
     return client.run(os.getpid, workers=[addr])[addr]
 
 
+async def _set_worker_resource(amount, dask_worker=None):
+    await dask_worker.set_resources(worker=amount)
+
+
+def set_trainer_slots(client: Client, name: str, amount: int) -> None:
+    """Give trainer ``name`` ``amount`` of the ``worker`` resource: 0 sends no batch there (Dask might
+    otherwise give a lone batch to either idle trainer)."""
+    client.run(_set_worker_resource, amount, workers=[worker_address(client, name)])
+
+
 def kill_worker(client: Client, name: str) -> str:
     """SIGKILL the worker process called ``name``; return its old address."""
     addr = worker_address(client, name)

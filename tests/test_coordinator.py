@@ -237,8 +237,14 @@ def test_a_batch_already_running_stops_at_its_next_function_once_cancelled(strat
 
 
 def _fail_when_set(event_name, tag):
+    Event(f"{event_name}-started").set()
     Event(event_name).wait(60)
     Event(f"{event_name}-raised").set()
+    raise Boom(tag)
+
+
+def _fail_once_set(event_name, tag):
+    assert Event(event_name).wait(30), "the other function never started"
     raise Boom(tag)
 
 
@@ -247,7 +253,7 @@ def test_first_error_wins(coordinator, client):
 
     name = f"daskps-late-failure-{uuid.uuid4().hex}"
     with coordinator._cond:  # one batch each: the late one is running when the early one fails
-        coordinator.schedule(_fail_after, args=(0.0, "early"))
+        coordinator.schedule(_fail_once_set, args=(f"{name}-started", "early"))
         coordinator.schedule(_fail_when_set, args=(name, "late"))
     with pytest.raises(Boom, match="early"):
         coordinator.join()

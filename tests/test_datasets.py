@@ -16,7 +16,7 @@ import daskps as dps
 from daskps.distribute.cluster import cluster_workers
 from daskps.errors import NotScheduledError, OutOfRangeError
 
-from .conftest import datasets_built, kill_worker, wait_for_worker
+from .conftest import datasets_built, kill_worker, set_trainer_slots, wait_for_worker
 
 
 def _next(iterator):
@@ -226,13 +226,11 @@ def test_restarted_worker_builds_its_own(fresh_cluster):
     address = wait_for_worker(client, "worker-1", old)
     new_pid = client.run(os.getpid, workers=[address])[address]
     assert new_pid not in {pid for _, (_, pid) in before}  # a new process
-    new = []
-    for _ in range(20):  # quick functions may all go to the other trainer; ask again until it gets some
-        after = coordinator.fetch([coordinator.schedule(_where_and_next, args=(it,)) for _ in range(20)])
-        new += [(index, pid) for name, (index, pid) in after if name == "worker-1"]
-        if new:
-            break
-    assert new, "the restarted worker ran nothing"
+    set_trainer_slots(client, "worker-0", 0)  # the functions go to the restarted worker
+    after = coordinator.fetch([coordinator.schedule(_where_and_next, args=(it,)) for _ in range(20)])
+    set_trainer_slots(client, "worker-0", 1)
+    assert {name for name, _ in after} == {"worker-1"}, after
+    new = [(index, pid) for _, (index, pid) in after]
     assert all(index == 1 and pid == new_pid for index, pid in new), (new_pid, new)  # built in the new process
 
 

@@ -56,14 +56,27 @@ def test_metrics_endpoint_shows_daskps_during_training(tmp_path):
             for _ in range(n):
                 coordinator.schedule(step)
             coordinator.join()
-            time.sleep(0.5)  # the servers are asked every 100 ms; the coordinator's counts go at join()
+
+        def scrape_when(n, saves):
+            """/metrics once it shows ``n`` functions done and their pushes received, and ``saves`` saves (the
+            coordinator sends its counts at most twice a second, the servers are asked every 100 ms)."""
+            deadline = time.monotonic() + 15
+            while True:
+                samples = scrape(cluster)
+                done = daskps_samples(samples, "dask_daskps_functions_completed_total")
+                received = daskps_samples(samples, "dask_daskps_server_bytes_received_total")
+                saved = daskps_samples(samples, "dask_daskps_checkpoint_saves_total")
+                if (list(done.values()) == [n] and sum(received.values()) == n * (256 + 65536)
+                        and sum(saved.values()) == saves):
+                    return samples
+                assert time.monotonic() < deadline, (n, done, received, saved)
+                time.sleep(0.1)
 
         train(20)
-        first = scrape(cluster)
+        first = scrape_when(20, 0)
         train(30)
         dps.Checkpoint(w=w, b=b).write(str(tmp_path / "ckpt"))
-        time.sleep(0.5)
-        second = scrape(cluster)
+        second = scrape_when(50, 1)
 
     prefix = "dask_daskps_"
     for name, kind, _, _ in METRICS:

@@ -11,7 +11,13 @@ import pytest
 import daskps as dps
 from daskps.errors import RollbackWarning
 
-from .conftest import kill_worker, two_ps_training, wait_done, wait_for_recovery, worker_address
+from .conftest import (
+    kill_worker,
+    set_trainer_slots,
+    two_ps_training,
+    wait_done,
+    wait_for_recovery,
+)
 from .test_lifetimes import wait_for_coordinator_release
 
 
@@ -100,10 +106,6 @@ def _cache_on(v, target):
     return w.name
 
 
-async def _set_trainer(amount, dask_worker=None):
-    await dask_worker.set_resources(worker=amount)
-
-
 @pytest.mark.timeout(180)
 def test_handle_cached_on_a_trainer_that_got_no_batch_since_recovery(fresh_cluster, tmp_path):
     """worker-0 caches 'cached'; the recovery's rerun runs on worker-1; the coordinator then drops it.
@@ -118,15 +120,12 @@ def test_handle_cached_on_a_trainer_that_got_no_batch_since_recovery(fresh_clust
         c = dps.Variable(np.ones(3), name="cached")  # ps-0
     manager = dps.CheckpointManager(dps.Checkpoint(a=a, b=b), str(tmp_path))
     coordinator = dps.ClusterCoordinator(strategy, checkpoint_manager=manager)
-    for _ in range(20):
-        if coordinator.schedule(_cache_on, args=(c, "worker-0")).fetch() == "worker-0":
-            break
-    else:
-        pytest.fail("worker-0 never ran a function")
+    set_trainer_slots(client, "worker-1", 0)  # the batch goes to worker-0
+    assert coordinator.schedule(_cache_on, args=(c, "worker-0")).fetch() == "worker-0"
     coordinator.join()
+    set_trainer_slots(client, "worker-1", 1)
     manager.save()
-    w0 = worker_address(client, "worker-0")
-    client.run(_set_trainer, 0, workers=[w0])  # no batch goes to worker-0 for now
+    set_trainer_slots(client, "worker-0", 0)  # no batch goes to worker-0 for now
     kill_worker(client, "ps-0")
 
     def bump():
@@ -143,21 +142,12 @@ def test_handle_cached_on_a_trainer_that_got_no_batch_since_recovery(fresh_clust
     # the coordinator's release has reached the new ps-0, which counts worker-0's handle still
     held = wait_for_coordinator_release(client, [key])
     assert held == {key: {"trainer": 1}}, held
-    client.run(_set_trainer, 1, workers=[w0])
+    set_trainer_slots(client, "worker-1", 0)  # now worker-0 alone runs batches
+    set_trainer_slots(client, "worker-0", 1)
     # worker-0 still holds 'cached' (its cache): it must still be on the new ps-0, and readable there.
     on_server = strategy.ps_stats()[0]["num_variables"]
-    read = None
-    for _ in range(20):
-        r = coordinator.schedule(_read_cache)
-        try:
-            name, values = r.fetch()
-        except Exception as exc:  # the function failed: on worker-0 (worker-1 caches nothing)
-            read = exc
-            break
-        if name == "worker-0":
-            read = values
-            break
-    assert read == [3.0] and on_server == 2, (on_server, read)
+    assert coordinator.schedule(_read_cache).fetch() == ("worker-0", [3.0])
+    assert on_server == 2
 
 
 @pytest.mark.timeout(180)

@@ -25,7 +25,7 @@ from daskps.errors import CancelledError, PSUnavailableError, RollbackWarning
 
 from .conftest import datasets_built, two_ps_training, worker_address
 
-pytestmark = pytest.mark.timeout(20)  # each takes a few seconds at most; a hang fails fast
+pytestmark = pytest.mark.timeout(40)  # each takes a few seconds at most; a hang fails fast
 
 
 @pytest.fixture
@@ -292,13 +292,13 @@ def test_functions_running_at_the_loss_fail_and_run_again_in_full(thread_cluster
         b.assign_add(1.0)
         return i
 
-    with dask.config.set({"daskps.recovery-same-worker-wait": "1s"}):
+    with dask.config.set({"daskps.recovery-same-worker-wait": "3s"}):
         with pytest.warns(RollbackWarning) as record:
             remotes = [coordinator.schedule(blocked_step, args=(i,)) for i in range(2)]
             for i in range(2):
                 assert Event(f"started-{tag}-{i}", client=client).wait(10), f"step {i} never started"
             close_worker(cluster, client, "ps-0")
-            Event(go, client=client).set()  # before the recovery can end (it waits 1 s for ps-0 first)
+            Event(go, client=client).set()  # before the recovery can end (it waits 3 s for ps-0 first)
             coordinator.join()
     # the warning counts the failures known when the recovery ended (a failure can take up to
     # daskps.connect-timeout to show); the coordinator's summary counts every function run again
@@ -621,7 +621,7 @@ def test_a_second_ps_lost_during_a_recovery_is_recovered_after_it(tmp_path):
             v.assign(5.0)
         manager.save()
         ps2 = worker_address(client, "ps-2")
-        with dask.config.set({"daskps.recovery-same-worker-wait": "1s"}):
+        with dask.config.set({"daskps.recovery-same-worker-wait": "3s"}):
             with pytest.warns(RollbackWarning) as record:
                 close_worker(cluster, client, "ps-0")
                 wait_for_state(coordinator, RecoveryState.RECOVERING, "no recovery began")
@@ -664,7 +664,7 @@ def test_an_exactly_once_batch_read_before_a_loss_is_the_batch_its_rerun_reads(t
         batch = next(iterator, None)
         return None if batch is None else np.asarray(batch["id"])
 
-    with dask.config.set({"daskps.recovery-same-worker-wait": "1s"}):
+    with dask.config.set({"daskps.recovery-same-worker-wait": "3s"}):
         with pytest.warns(RollbackWarning) as record:
             remotes = [coordinator.schedule(blocked_read, args=(it, i)) for i in range(2)]
             for i in range(2):
