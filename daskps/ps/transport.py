@@ -263,8 +263,12 @@ class Channels:
     def __init__(self) -> None:
         self.open: dict[tuple[str, str], channel.Channel] = {}
 
+    @staticmethod
+    def _key(server: ServerRef) -> tuple[str, str]:
+        return str(server.channel), server.actor_key
+
     def get(self, server: ServerRef) -> channel.Channel:
-        key = (str(server.channel), server.actor_key)
+        key = self._key(server)
         found = self.open.get(key)
         if found is None:
             channel.prune(self.open)  # a new server: a good moment to drop channels to servers gone
@@ -274,7 +278,7 @@ class Channels:
     def forget(self, servers: Sequence[ServerRef]) -> None:
         """Close the channels to ``servers`` (their group was released)."""
         for server in servers:
-            found = self.open.pop((server.channel, server.actor_key), None) if server.channel else None
+            found = self.open.pop(self._key(server), None) if server.channel else None
             if found is not None:
                 with found.lock:
                     found.close()
