@@ -21,7 +21,7 @@ The package is layered; each layer imports only those below it:
 from __future__ import annotations
 
 import daskps._core.config  # noqa: F401  (first: registers the daskps.* config defaults)
-from daskps import data, errors, metrics, optimizers, partitioners, summary
+from daskps import data, errors, keras, metrics, optimizers, partitioners, summary
 from daskps._core.slices import IndexedSlices
 from daskps.coordinator.coordinator import ClusterCoordinator, RemoteValue
 from daskps.coordinator.datasets import PerWorkerDataset, PerWorkerIterator, PerWorkerValues
@@ -77,6 +77,7 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "keras",
     "metrics",
     "optimizers",
     "partitioners",

@@ -10,7 +10,7 @@ import daskps
 ROOT = pathlib.Path(daskps.__file__).parent
 
 # Each layer may import only from the layers before it (and from itself).
-LAYERS = ["errors", "_core", "ps", "ui", "distribute", "variables", "training", "coordinator"]
+LAYERS = ["errors", "_core", "ps", "ui", "distribute", "variables", "training", "coordinator", "keras"]
 
 
 def _module_name(path: pathlib.Path) -> str:

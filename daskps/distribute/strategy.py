@@ -167,6 +167,12 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         self._variable_count = 0
         self._coordinator: Any = None
         self._closers: list[Callable[[], Callable[[], object] | None]] = []
+        _MADE_HERE.add(self)
+
+    @staticmethod
+    def open_strategies() -> list[ParameterServerStrategy]:
+        """The strategies made in this process that are not closed (``dps.keras`` picks one when it is alone)."""
+        return [s for s in list(_MADE_HERE) if not s.closed]
 
     # -- pickling: a worker-side view ------------------------------------------
     def __reduce__(self) -> Any:
@@ -391,6 +397,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
 
 
 _WORKER_VIEWS: weakref.WeakValueDictionary[str, ParameterServerStrategy] = weakref.WeakValueDictionary()
+_MADE_HERE: weakref.WeakSet[ParameterServerStrategy] = weakref.WeakSet()  # on the coordinator
 
 
 def _resolve(cluster_resolver: Any) -> tuple[DaskClusterResolver, bool]:

@@ -1,0 +1,215 @@
+"""The inputs ``dps.keras`` takes, as batches each trainer makes itself.
+
+Arrays (numpy, or dicts, lists and tuples of them) travel to each trainer
+once, through a per-worker dataset; every step then carries only which rows
+its batches hold (a slice, or the indices of a shuffled epoch), so each
+epoch's batches are handed out exactly once across the trainers, in order
+when ``shuffle=False``, as Keras makes them (the last batch holds the rest).
+A ``dataset_fn`` is built on each trainer, as
+``coordinator.create_per_worker_dataset`` builds it, and each step takes the
+next element of its trainer's own iterator.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import math
+import warnings
+from typing import Any, NamedTuple
+
+import numpy as np
+
+__all__ = ["ArrayData", "Plan", "Repeat", "Step", "as_source"]
+
+
+class Repeat:
+    """A ``dataset_fn`` whose dataset is ``obj`` over and over: ``obj`` reaches each trainer once."""
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __call__(self) -> Any:
+        return itertools.repeat(self.obj)
+
+
+class Step(NamedTuple):
+    """One scheduled execution: Keras' first and last batch index in the epoch, and what its batches are."""
+
+    begin: int
+    end: int
+    payload: Any  # a list of row selections (arrays), or a number of batches to draw (a dataset_fn)
+
+
+def _leaves(structure: Any, arg: str) -> list[Any]:
+    import keras
+
+    leaves = keras.tree.flatten(structure)
+    for leaf in leaves:
+        if leaf is not None and not hasattr(leaf, "__array__"):
+            raise TypeError(f"{arg} must be numpy arrays (or dicts, lists or tuples of them), a per-worker "
+                            f"dataset_fn, or None; found {type(leaf).__name__}")
+    return leaves
+
+
+def _as_numpy(structure: Any) -> Any:
+    import keras
+
+    if structure is None:
+        return None
+    return keras.tree.map_structure(lambda a: None if a is None else np.asarray(a), structure)
+
+
+class ArrayData:
+    """Arrays held on each trainer; ``batch(rows)`` is one batch as Keras' data adapter makes it."""
+
+    def __init__(self, x: Any, y: Any = None, sample_weight: Any = None, class_weight: dict | None = None):
+        self.x, self.y, self.sample_weight, self.class_weight = x, y, sample_weight, class_weight
+
+    def batch(self, rows: Any) -> tuple[Any, ...]:
+        import keras
+        from keras.src.trainers.data_adapters import data_adapter_utils
+
+        take = lambda a: a[rows]  # noqa: E731
+        x = keras.tree.map_structure(take, self.x)
+        y = None if self.y is None else keras.tree.map_structure(take, self.y)
+        sw = None if self.sample_weight is None else keras.tree.map_structure(take, self.sample_weight)
+        if self.class_weight is not None and y is not None:
+            sw = data_adapter_utils.class_weight_to_sample_weights(y, self.class_weight)
+        return data_adapter_utils.pack_x_y_sample_weight(x, y, sw)
+
+
+class Plan:
+    """Where an input's batches come from: on the trainers (``source``) and, per epoch, the steps."""
+
+    def __init__(self, source: Any, num_rows: int | None, batch_size: int | None, steps_per_epoch: int | None,
+                 steps_per_execution: int, shuffle: Any):
+        self.source = source  # an ArrayData (sent once) or a dataset_fn (built on each trainer)
+        self.num_rows = num_rows
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.steps_per_execution = steps_per_execution
+        if num_rows is None:
+            self.num_batches = steps_per_epoch
+        else:
+            available = math.ceil(num_rows / batch_size) if batch_size else 0
+            self.num_batches = available if steps_per_epoch is None else min(steps_per_epoch, available)
+            if steps_per_epoch is not None and steps_per_epoch > available:
+                warnings.warn(f"steps_per_epoch={steps_per_epoch} is more than the {available} batches of "
+                              f"{batch_size} the {num_rows} rows make: each epoch runs {available}", stacklevel=3)
+
+    @property
+    def is_arrays(self) -> bool:
+        return self.num_rows is not None
+
+    def first_batch(self) -> Any:
+        """A small batch on the coordinator, for Keras to build the metrics (arrays only)."""
+        return self.source.batch(slice(0, min(2, self.num_rows or 0)))
+
+    def epoch(self) -> list[Step]:
+        """The steps of one epoch, each ``steps_per_execution`` batches (the last may hold fewer)."""
+        assert self.num_batches is not None
+        k = self.steps_per_execution
+        if not self.is_arrays:
+            return [Step(b, b + k - 1, min(k, self.num_batches - b)) for b in range(0, self.num_batches, k)]
+        n, bs = self.num_rows, self.batch_size
+        assert n is not None and bs is not None
+        if self.shuffle is True:
+            order = np.random.permutation(n)  # numpy's global generator: keras.utils.set_random_seed seeds it
+            rows = [order[i * bs:(i + 1) * bs] for i in range(self.num_batches)]
+        else:
+            batches = list(range(math.ceil(n / bs)))
+            if self.shuffle == "batch":
+                np.random.shuffle(batches)
+            rows = [slice(i * bs, min((i + 1) * bs, n)) for i in batches[: self.num_batches]]
+        # Keras names an execution by its first batch and first + steps_per_execution - 1, the last one too
+        return [Step(b, b + k - 1, rows[b:b + k]) for b in range(0, len(rows), k)]
+
+
+def _dataset_fn(x: Any) -> bool:
+    return callable(x) and not hasattr(x, "shape") and not isinstance(x, (dict, list, tuple))
+
+
+def _is_dask(x: Any) -> bool:
+    return type(x).__module__.split(".")[0] in ("dask", "dask_expr")
+
+
+def as_source(x: Any, y: Any, sample_weight: Any, class_weight: Any, batch_size: Any, steps: Any,
+              steps_per_execution: int, shuffle: Any, *, what: str, steps_arg: str, need_y: bool) -> Plan:
+    """Check one input (``x`` and what goes with it) and say how its batches are made.
+
+    ``what`` names the input in messages (``"x"``, ``"validation_data"``);
+    ``steps_arg`` is the argument that bounds an epoch (``steps_per_epoch``,
+    ``validation_steps``, ``steps``).
+    """
+    import keras
+
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1):
+        raise ValueError(f"{steps_arg} must be a positive integer or None, got {steps!r}")
+    if _is_dask(x) or _is_dask(y):
+        raise TypeError(
+            f"{what} is a Dask collection: dps.keras takes numpy arrays or a per-worker dataset_fn for now; "
+            "wrap the collection as dataset_fn=lambda: <an iterator of (x, y) batches>, or pass "
+            "dps.data.from_dask(...) to coordinator.create_per_worker_dataset and use the coordinator directly"
+        )
+    if _dataset_fn(x):
+        for arg, value in (("y", y), ("sample_weight", sample_weight), ("class_weight", class_weight),
+                           ("batch_size", batch_size)):
+            if value is not None:
+                raise ValueError(f"{arg} must be None when {what} is a dataset_fn (its batches carry the "
+                                 f"labels and their size), got {type(value).__name__}")
+        if steps is None:
+            raise ValueError(f"{steps_arg} is required when {what} is a dataset_fn: a per-worker dataset "
+                             "has no end that the coordinator can see (as in TensorFlow)")
+        try:
+            inspect.signature(x)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"{what} must be a function of () or (input_context), got {x!r}") from exc
+        return Plan(x, None, None, int(steps), steps_per_execution, False)
+    if x is None:
+        raise ValueError(f"{what} must be given: numpy arrays (or dicts of them) or a per-worker dataset_fn")
+    if batch_size is None:
+        batch_size = 32
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
+    if need_y and y is None:
+        raise ValueError(f"y must be given with {what} as arrays: the model was compiled with a loss that "
+                         "compares predictions with targets")
+    if class_weight is not None:
+        if sample_weight is not None:
+            raise ValueError("class_weight and sample_weight cannot both be given (as in Keras)")
+        if not isinstance(class_weight, dict):
+            raise TypeError(f"class_weight must be a dict of class index to weight, got {type(class_weight).__name__}")
+    for arg, part in (("x", x), ("y", y), ("sample_weight", sample_weight)):
+        _leaves(part, arg if what == "x" else f"{what}'s {arg}")
+    x, y, sample_weight = _as_numpy(x), _as_numpy(y), _as_numpy(sample_weight)
+    lengths = {}
+    for arg, part in (("x", x), ("y", y), ("sample_weight", sample_weight)):
+        if part is None:
+            continue
+        for leaf in keras.tree.flatten(part):
+            if leaf.ndim == 0:
+                raise ValueError(f"{arg} must be arrays with a first (batch) dimension, got a scalar")
+            lengths.setdefault(arg, set()).add(int(leaf.shape[0]))
+    sizes = set().union(*lengths.values()) if lengths else set()
+    if len(sizes) != 1:
+        detail = ", ".join(f"{a}: {sorted(s)}" for a, s in lengths.items())
+        raise ValueError(f"every array of {what} must have the same number of rows, got {detail}")
+    return Plan(ArrayData(x, y, sample_weight, class_weight), sizes.pop(), int(batch_size), steps,
+                steps_per_execution, shuffle)
+
+
+def validation_parts(validation_data: Any) -> tuple[Any, Any, Any]:
+    """``(x, y, sample_weight)`` of Keras' ``validation_data`` (a tuple, or a dataset_fn)."""
+    if validation_data is None or _dataset_fn(validation_data):
+        return validation_data, None, None
+    if isinstance(validation_data, (tuple, list)) and len(validation_data) in (2, 3):
+        parts = list(validation_data) + [None] * (3 - len(validation_data))
+        return parts[0], parts[1], parts[2]
+    raise ValueError("validation_data must be a tuple (x_val, y_val) or (x_val, y_val, val_sample_weight), "
+                     f"or a per-worker dataset_fn; got {type(validation_data).__name__}")
+
+
+def is_dataset_fn(x: Any) -> bool:
+    return _dataset_fn(x)
+

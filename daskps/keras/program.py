@@ -1,0 +1,224 @@
+"""What a trainer runs for ``dps.keras``: the model's own steps, built once per trainer process.
+
+The model travels to each trainer once (pickled by Keras itself, fetched
+through a per-worker dataset the way ``create_per_worker_dataset`` fetches a
+``dataset_fn``) and is compiled there: Keras' loss, ``compute_loss``,
+compiled metrics, ``sample_weight`` and non-trainable state (moving
+statistics, the dropout seed stream), all inside one jitted function per
+kind of step. A step reads every variable from the servers (one round trip
+per server), runs that function, pushes the gradients to the optimizer on
+the servers and the change of each non-trainable variable as an
+``assign_add`` (as TensorFlow's moving averages do, so concurrent trainers'
+changes add up), and returns the change of the metrics' state, which the
+coordinator adds up in order.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+import sys
+import threading
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from daskps.variables.variable import read_values
+
+__all__ = ["ModelBlob", "PredictStep", "StepResult", "TestStep", "TrainStep", "check_backend"]
+
+# Programs built in this process, by the id of the binding that made them (newest last).
+_PROGRAMS: collections.OrderedDict[str, Any] = collections.OrderedDict()
+_PROGRAMS_LOCK = threading.Lock()
+MAX_PROGRAMS = 4
+
+
+class ModelBlob(NamedTuple):
+    """The model as Keras pickles it, with the backend it was built for and what the coordinator saw."""
+
+    program_id: str
+    backend: str
+    model: bytes
+    metric_shapes: tuple[tuple[int, ...], ...]
+
+
+class StepResult(NamedTuple):
+    """What a train or test step sends back: the change of the metrics' state, and, while the coordinator
+    has not seen a batch (a ``dataset_fn`` input), two rows of one, for Keras to build its metrics."""
+
+    metrics: list[np.ndarray]
+    sample: Any = None
+
+
+def _sample(batch: Any) -> Any:
+    import keras
+
+    return keras.tree.map_structure(lambda a: None if a is None else np.asarray(a)[:2], batch)
+
+
+def check_backend(wanted: str) -> None:
+    """Make sure Keras runs on ``wanted`` in this process, or say what to set where."""
+    loaded = "keras" in sys.modules
+    env = os.environ.get("KERAS_BACKEND")
+    if not loaded and env in (None, wanted):
+        os.environ["KERAS_BACKEND"] = wanted  # Keras reads it at its first import, just below
+        env = wanted
+    import keras
+
+    have = keras.backend.backend()
+    if have != wanted:
+        where = f"KERAS_BACKEND={env!r}" if env else "KERAS_BACKEND is not set"
+        raise RuntimeError(
+            f"Keras runs on the {have!r} backend on this trainer ({where}), but the model was built on "
+            f"{wanted!r}: start the workers with KERAS_BACKEND={wanted} in their environment (a LocalPSCluster "
+            "made after setting it in os.environ inherits it)"
+        )
+
+
+class _Program:
+    """A trainer's copy of the model and its jitted train, test and predict functions."""
+
+    def __init__(self, blob: ModelBlob):
+        check_backend(blob.backend)
+        import jax
+
+        self.model = model = pickle.loads(blob.model)
+        self.model.reset_metrics()
+        self.built = False
+        self.blob = blob
+        self._jax = jax
+        self._train: Any = None
+        self._test: Any = None
+        self._predict: Any = None
+
+    def build(self, batch: Any) -> None:
+        """Build the compiled metrics (Keras makes them at the first batch) and check they match the coordinator's."""
+        if self.built:
+            return
+        from keras.src.trainers.data_adapters import data_adapter_utils
+
+        x, y, _ = data_adapter_utils.unpack_x_y_sample_weight(batch)
+        self.model._symbolic_build(data_batch=(x, y))  # Keras' own build of metrics and optimizer
+        shapes = tuple(tuple(v.shape) for v in self.model.metrics_variables)
+        if self.blob.metric_shapes and shapes != self.blob.metric_shapes:
+            raise RuntimeError(f"the model rebuilt on this trainer has metric variables of shapes {shapes}, "
+                               f"the coordinator's has {self.blob.metric_shapes}")
+        self.metrics_start = [np.asarray(v.value) for v in self.model.metrics_variables]
+        self.built = True
+
+    def train_fn(self) -> Any:
+        if self._train is None:
+            model, jax = self.model, self._jax
+            optimizer_values = [v.value for v in model.optimizer.variables]
+
+            def step(trainable: Any, non_trainable: Any, metrics: Any, data: Any) -> Any:
+                from keras.src.trainers.data_adapters import data_adapter_utils
+
+                x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+                grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
+                (_, aux), grads = grad_fn(trainable, non_trainable, metrics, x, y, sample_weight, training=True,
+                                          optimizer_variables=optimizer_values)
+                unscaled, y_pred, non_trainable, metrics = aux
+                _, metrics = model._update_metrics_variables(metrics, unscaled, x, y, y_pred, sample_weight)
+                return grads, non_trainable, metrics
+
+            self._train = jax.jit(step)
+        return self._train
+
+    def test_fn(self) -> Any:
+        if self._test is None:
+            self._test = self._jax.jit(self.model.test_step)  # stateless on JAX: Keras' own
+        return self._test
+
+    def predict_fn(self) -> Any:
+        if self._predict is None:
+            self._predict = self._jax.jit(self.model.predict_step)
+        return self._predict
+
+
+def program(blob: ModelBlob) -> _Program:
+    """This process's program for ``blob`` (built at its first use, then kept)."""
+    with _PROGRAMS_LOCK:
+        found = _PROGRAMS.get(blob.program_id)
+        if found is None:
+            found = _PROGRAMS[blob.program_id] = _Program(blob)
+            while len(_PROGRAMS) > MAX_PROGRAMS:
+                _PROGRAMS.popitem(last=False)
+        return found
+
+
+class _Step:
+    """Fields every kind of step carries: the model's variables on the servers (small handles)."""
+
+    def __init__(self, trainable: list[Any], non_trainable: list[Any]):
+        self.trainable = list(trainable)
+        self.non_trainable = list(non_trainable)
+
+    def values(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        values = read_values(self.trainable + self.non_trainable)  # one round trip per server
+        return values[: len(self.trainable)], values[len(self.trainable):]
+
+
+def _batches(data_iterator: Any, payloads: Any) -> list[Any]:
+    """The batches of one step: rows of the arrays sent once, or the next elements of a dataset_fn's iterator."""
+    if isinstance(payloads, int):
+        return [next(data_iterator) for _ in range(payloads)]
+    source = next(data_iterator)
+    return [source.batch(p) for p in payloads]
+
+
+class TrainStep(_Step):
+    """``steps_per_execution`` training steps on one trainer; returns the change of the metrics' state."""
+
+    def __init__(self, trainable: list[Any], non_trainable: list[Any], optimizer: Any):
+        super().__init__(trainable, non_trainable)
+        self.optimizer = optimizer
+
+    def __call__(self, model_iterator: Any, data_iterator: Any, payloads: Any) -> StepResult:
+        prog = program(next(model_iterator))
+        total: list[np.ndarray] | None = None
+        batches = _batches(data_iterator, payloads)
+        for batch in batches:
+            prog.build(batch)
+            trainable, non_trainable = self.values()
+            grads, new_non_trainable, metrics = prog.train_fn()(trainable, non_trainable, prog.metrics_start, batch)
+            self.optimizer.apply(list(grads), self.trainable)
+            for var, old, new in zip(self.non_trainable, non_trainable, new_non_trainable):
+                new = np.asarray(new)
+                if not np.array_equal(new, old):
+                    var.assign_add(new - old)
+            delta = [np.asarray(m) - s for m, s in zip(metrics, prog.metrics_start)]
+            total = delta if total is None else [t + d for t, d in zip(total, delta)]
+        return StepResult(total or [], None if prog.blob.metric_shapes or not batches else _sample(batches[0]))
+
+
+class TestStep(_Step):
+    """Keras' ``test_step`` on ``steps_per_execution`` batches with the servers' weights; the metrics' change."""
+
+    def __call__(self, model_iterator: Any, data_iterator: Any, payloads: Any) -> StepResult:
+        prog = program(next(model_iterator))
+        trainable, non_trainable = self.values()  # evaluation changes no weights: one read serves every batch
+        total: list[np.ndarray] | None = None
+        batches = _batches(data_iterator, payloads)
+        for batch in batches:
+            prog.build(batch)
+            _, (_, _, metrics) = prog.test_fn()((trainable, non_trainable, prog.metrics_start), batch)
+            delta = [np.asarray(m) - s for m, s in zip(metrics, prog.metrics_start)]
+            total = delta if total is None else [t + d for t, d in zip(total, delta)]
+        return StepResult(total or [], None if prog.blob.metric_shapes or not batches else _sample(batches[0]))
+
+
+class PredictStep(_Step):
+    """Keras' ``predict_step`` on a few batches with the servers' weights; the outputs as numpy."""
+
+    def __call__(self, model_iterator: Any, data_iterator: Any, payloads: Any) -> list[Any]:
+        import keras
+
+        prog = program(next(model_iterator))
+        trainable, non_trainable = self.values()
+        outputs = []
+        for batch in _batches(data_iterator, payloads):
+            out, _ = prog.predict_fn()((trainable, non_trainable), batch)
+            outputs.append(keras.tree.map_structure(np.asarray, out))
+        return outputs

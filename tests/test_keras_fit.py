@@ -1,0 +1,383 @@
+"""``dps.keras.fit``/``evaluate``/``predict`` against Keras itself: the same model, weights, optimizer and data
+through ``model.fit`` in this process and through daskps on the shared cluster.
+
+With one trainer (the other given no ``worker`` slot) and ``shuffle=False`` the steps run in Keras'
+order, so the history and the trained weights (BatchNormalization's moving statistics and the dropout
+seed stream included) must be Keras' own. With two trainers, evaluation adds every batch once, so its
+numbers are Keras' too.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import numpy as np
+import pytest
+
+import daskps as dps
+from tests.conftest import set_trainer_slots
+
+keras = pytest.importorskip("keras", reason="Keras is not installed (pip install 'daskps[keras]')")
+if keras.backend.backend() != "jax":
+    pytest.skip("these tests need KERAS_BACKEND=jax", allow_module_level=True)
+
+RTOL = 2e-3
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(300, 6)).astype("float32")
+Y = ((X[:, 0] > 0).astype("int64") + (X[:, 1] > 1)).astype("int64")
+XV = RNG.normal(size=(90, 6)).astype("float32")
+YV = (XV[:, 0] > 0).astype("int64")
+
+
+def classifier(optimizer=None, seed=1, metrics=("accuracy",)):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.BatchNormalization(), keras.layers.Dropout(0.3), keras.layers.Dense(3)])
+    model.compile(optimizer=optimizer or keras.optimizers.Adam(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=list(metrics))
+    return model
+
+
+@pytest.fixture
+def one_trainer(client, strategy, coordinator):
+    """The shared cluster with worker-1 given no trainer slot: every step runs on worker-0, in order."""
+    set_trainer_slots(client, "worker-1", 0)
+    try:
+        yield coordinator
+    finally:
+        set_trainer_slots(client, "worker-1", 1)
+
+
+def assert_history_close(ours, theirs, rtol=RTOL):
+    assert sorted(ours.history) == sorted(theirs.history)
+    for key, values in theirs.history.items():
+        np.testing.assert_allclose(ours.history[key], values, rtol=rtol, err_msg=key)
+
+
+def assert_weights_close(ours, theirs, atol=1e-5):
+    assert [v.shape for v in ours.weights] == [v.shape for v in theirs.weights]  # paths differ by Keras' counters
+    for a, b in zip(ours.weights, theirs.weights):
+        np.testing.assert_allclose(np.asarray(a.value), np.asarray(b.value), rtol=RTOL, atol=atol, err_msg=a.path)
+
+
+def test_fit_matches_keras_fit_with_validation_batchnorm_and_dropout(strategy, coordinator, one_trainer):
+    reference = classifier()
+    want = reference.fit(X, Y, batch_size=32, epochs=3, shuffle=False, validation_data=(XV, YV), verbose=0)
+    with strategy.scope():
+        model = classifier()
+    got = dps.keras.fit(model, X, Y, batch_size=32, epochs=3, shuffle=False, validation_data=(XV, YV), verbose=0, coordinator=coordinator)
+    assert isinstance(got, keras.callbacks.History) and got is model.history
+    assert_history_close(got, want)
+    assert_weights_close(model, reference)
+    # the moving statistics moved, and the servers hold what the local model now holds
+    moving = [v for v in model.non_trainable_variables if "moving_mean" in v.path][0]
+    assert np.abs(np.asarray(moving.value)).max() > 0.01
+
+
+def test_a_second_fit_goes_on_with_the_servers_optimizer_state(strategy, coordinator, one_trainer):
+    reference = classifier(keras.optimizers.Adam(0.02))
+    reference.fit(X, Y, batch_size=50, epochs=1, shuffle=False, verbose=0)
+    want = reference.fit(X, Y, batch_size=50, epochs=2, shuffle=False, verbose=0)
+    with strategy.scope():
+        model = classifier(keras.optimizers.Adam(0.02))
+    dps.keras.fit(model, X, Y, batch_size=50, epochs=1, shuffle=False, verbose=0, coordinator=coordinator)
+    got = dps.keras.fit(model, X, Y, batch_size=50, epochs=2, shuffle=False, verbose=0, coordinator=coordinator)
+    assert_history_close(got, want)
+    assert_weights_close(model, reference)
+    assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy()) == 18
+
+
+def two_outputs(seed=3):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((6,), name="features")
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    model = keras.Model(inputs, {"score": keras.layers.Dense(1, name="score")(hidden),
+                                 "kind": keras.layers.Dense(3, name="kind")(hidden)})
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                  loss={"score": "mse", "kind": keras.losses.SparseCategoricalCrossentropy(from_logits=True)},
+                  loss_weights={"score": 0.5, "kind": 2.0},
+                  metrics={"score": ["mae"], "kind": ["accuracy"]})
+    return model
+
+
+def test_a_multi_output_model_with_loss_weights_and_sample_weights_matches(strategy, coordinator, one_trainer):
+    y = {"score": X[:, :1] * 2.0, "kind": Y}
+    weights = np.linspace(0.5, 1.5, len(X)).astype("float32")
+    reference = two_outputs()
+    want = reference.fit({"features": X}, y, sample_weight=weights, batch_size=40, epochs=2, shuffle=False,
+                         verbose=0)
+    with strategy.scope():
+        model = two_outputs()
+    got = dps.keras.fit(model, {"features": X}, y, sample_weight=weights, batch_size=40, epochs=2, shuffle=False,
+                        verbose=0, coordinator=coordinator)
+    assert {"loss", "score_mae", "kind_accuracy"} <= set(got.history)
+    assert_history_close(got, want)
+    assert_weights_close(model, reference)
+
+
+def test_class_weight_matches(strategy, coordinator, one_trainer):
+    reference = classifier(keras.optimizers.RMSprop(0.01))
+    want = reference.fit(X, Y, class_weight={0: 1.0, 1: 3.0, 2: 0.5}, batch_size=64, epochs=2, shuffle=False,
+                         verbose=0)
+    with strategy.scope():
+        model = classifier(keras.optimizers.RMSprop(0.01))
+    got = dps.keras.fit(model, X, Y, class_weight={0: 1.0, 1: 3.0, 2: 0.5}, batch_size=64, epochs=2,
+                        shuffle=False, verbose=0, coordinator=coordinator)
+    assert_history_close(got, want)
+
+
+class Recorder(keras.callbacks.Callback):
+    """Every hook called, with the batch or epoch and the logs' keys."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def _note(self, hook, index=None, logs=None):
+        self.calls.append((hook, index, tuple(sorted(logs or {}))))
+
+    def on_train_begin(self, logs=None):
+        self._note("train_begin")
+
+    def on_train_end(self, logs=None):
+        self._note("train_end", None, logs)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._note("epoch_begin", epoch)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._note("epoch_end", epoch, logs)
+
+    def on_test_begin(self, logs=None):
+        self._note("test_begin")
+
+    def on_test_end(self, logs=None):
+        self._note("test_end", None, logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._note("train_batch_end", batch, logs)
+
+    def on_test_batch_end(self, batch, logs=None):
+        self._note("test_batch_end", batch, logs)
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 4])
+def test_callbacks_see_keras_sequence(strategy, coordinator, steps_per_execution):
+    reference, ours = Recorder(), Recorder()
+    model_ref = classifier()
+    model_ref.compile(optimizer=keras.optimizers.Adam(0.01), steps_per_execution=steps_per_execution,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    model_ref.fit(X, Y, batch_size=32, epochs=2, validation_data=(XV, YV), callbacks=[reference], verbose=0)
+    with strategy.scope():
+        model = classifier()
+    dps.keras.fit(model, X, Y, batch_size=32, epochs=2, validation_data=(XV, YV), callbacks=[ours], verbose=0,
+                  steps_per_execution=steps_per_execution, coordinator=coordinator)
+    batch_level = ("train_batch_end", "test_batch_end")
+    assert [c for c in ours.calls if c[0] not in batch_level] == [c for c in reference.calls if c[0] not in batch_level]
+    # one on_train_batch_end per execution, with Keras' batch indices (10 batches a epoch)
+    ends = [c[1] for c in ours.calls if c[0] == "train_batch_end"]
+    assert ends == [c[1] for c in reference.calls if c[0] == "train_batch_end"]
+    assert ends == (list(range(10)) * 2 if steps_per_execution == 1 else [3, 7, 11] * 2)
+    assert {c[2] for c in ours.calls if c[0] == "train_batch_end"} == {("accuracy", "loss")}
+
+
+def test_early_stopping_stops_at_keras_epoch_and_restores_its_weights(strategy, coordinator, one_trainer):
+    def stopper():
+        return keras.callbacks.EarlyStopping(monitor="val_loss", patience=1, min_delta=0.05,
+                                             restore_best_weights=True)
+
+    reference = classifier(keras.optimizers.SGD(0.3))
+    want = reference.fit(X, Y, batch_size=30, epochs=30, shuffle=False, validation_data=(XV, YV),
+                         callbacks=[stopper()], verbose=0)
+    with strategy.scope():
+        model = classifier(keras.optimizers.SGD(0.3))
+    got = dps.keras.fit(model, X, Y, batch_size=30, epochs=30, shuffle=False, validation_data=(XV, YV),
+                        callbacks=[stopper()], verbose=0, coordinator=coordinator)
+    assert 2 <= len(want.epoch) < 30, "the reference did not stop early: the test shows nothing"
+    assert got.epoch == want.epoch
+    assert_weights_close(model, reference)
+
+
+def test_model_checkpoint_files_load_with_the_trained_weights(strategy, coordinator, tmp_path):
+    with strategy.scope():
+        model = classifier()
+    dps.keras.fit(model, X, Y, epochs=2, verbose=0, callbacks=[
+        keras.callbacks.ModelCheckpoint(str(tmp_path / "m-{epoch}.keras")),
+        keras.callbacks.ModelCheckpoint(str(tmp_path / "w-{epoch}.weights.h5"), save_weights_only=True)], coordinator=coordinator)
+    whole = keras.saving.load_model(tmp_path / "m-2.keras")
+    weights_only = classifier(seed=7)
+    weights_only.load_weights(tmp_path / "w-2.weights.h5")
+    first = classifier(seed=7)
+    first.load_weights(tmp_path / "w-1.weights.h5")
+    for loaded in (whole, weights_only):
+        assert_weights_close(loaded, model, atol=0)
+    # each file holds that epoch's servers' weights, not the initial ones
+    kernel = lambda m: np.asarray(m.trainable_variables[0].value)  # noqa: E731
+    assert not np.allclose(kernel(first), kernel(model))
+    assert not np.allclose(kernel(first), kernel(classifier()))
+
+
+def test_evaluate_and_predict_on_two_trainers_equal_keras(strategy, coordinator):
+    with strategy.scope():
+        model = classifier()
+    dps.keras.fit(model, X, Y, epochs=1, verbose=0, coordinator=coordinator)
+    want = model.evaluate(XV, YV, batch_size=8, verbose=0)  # the local model holds the servers' weights
+    got = dps.keras.evaluate(model, XV, YV, batch_size=8, verbose=0, coordinator=coordinator)
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+    as_dict = dps.keras.evaluate(model, XV, YV, batch_size=8, verbose=0, return_dict=True, coordinator=coordinator)
+    assert sorted(as_dict) == ["accuracy", "loss"]
+    np.testing.assert_allclose(dps.keras.predict(model, XV, batch_size=8, verbose=0, coordinator=coordinator),
+                               model.predict(XV, batch_size=8, verbose=0), rtol=1e-5, atol=1e-6)
+
+
+def test_evaluate_uses_weights_set_locally_since(strategy, coordinator):
+    with strategy.scope():
+        model = classifier()
+    dps.keras.fit(model, X, Y, epochs=1, verbose=0, coordinator=coordinator)
+    model.set_weights([np.zeros_like(w) for w in model.get_weights()])
+    np.testing.assert_allclose(dps.keras.predict(model, XV, verbose=0, coordinator=coordinator), 0.0)
+
+
+def test_learning_rate_callbacks_reach_the_servers(strategy, coordinator, one_trainer):
+    def schedule(epoch, lr):
+        return 0.05 if epoch == 0 else 0.005
+
+    reference = classifier(keras.optimizers.SGD(0.05))
+    want = reference.fit(X, Y, batch_size=50, epochs=2, shuffle=False, verbose=0,
+                         callbacks=[keras.callbacks.LearningRateScheduler(schedule)])
+    with strategy.scope():
+        model = classifier(keras.optimizers.SGD(0.05))
+    got = dps.keras.fit(model, X, Y, batch_size=50, epochs=2, shuffle=False, verbose=0,
+                        callbacks=[keras.callbacks.LearningRateScheduler(schedule)], coordinator=coordinator)
+    assert_history_close(got, want)
+    assert_weights_close(model, reference)
+    assert got.history["learning_rate"] == pytest.approx([0.05, 0.005])
+
+
+def test_the_trained_model_saves_and_predicts_locally(strategy, coordinator, tmp_path):
+    with strategy.scope():
+        model = classifier()
+    before = model.predict(XV, verbose=0)
+    history = dps.keras.fit(model, X, Y, epochs=3, verbose=0, coordinator=coordinator)
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    model.save(tmp_path / "trained.keras")
+    after = model.predict(XV, verbose=0)
+    assert not np.allclose(before, after)
+    np.testing.assert_allclose(keras.saving.load_model(tmp_path / "trained.keras").predict(XV, verbose=0), after,
+                               rtol=1e-6)
+
+
+def test_stop_training_from_a_batch_callback_stops_scheduling(strategy, coordinator):
+    class StopAfter(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.batches = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.batches += 1
+            if batch == 2:
+                self.model.stop_training = True
+
+    with strategy.scope():
+        model = classifier()
+    stop = StopAfter()
+    history = dps.keras.fit(model, X, Y, batch_size=3, epochs=5, callbacks=[stop], verbose=0, coordinator=coordinator)
+    assert history.epoch == [0]
+    # the steps already scheduled ran (their updates are on the servers); nothing more was scheduled
+    assert 3 <= stop.batches < 100
+    assert int(model.optimizer.iterations.numpy()) == stop.batches
+
+
+def test_a_dataset_fn_trains_for_steps_per_epoch(strategy, coordinator):
+    def dataset_fn(context):
+        rng = np.random.default_rng(context.input_pipeline_id)
+        while True:
+            x = rng.normal(size=(32, 6)).astype("float32")
+            yield x, (x[:, 0] > 0).astype("int64")
+
+    with strategy.scope():
+        model = classifier()
+    history = dps.keras.fit(model, dataset_fn, epochs=2, steps_per_epoch=7, verbose=0, coordinator=coordinator)
+    assert len(history.history["loss"]) == 2
+    assert int(model.optimizer.iterations.numpy()) == 14
+    with pytest.raises(ValueError, match="steps_per_epoch is required"):
+        dps.keras.fit(model, dataset_fn, epochs=1, verbose=0, coordinator=coordinator)
+
+
+def test_each_batch_is_trained_exactly_once_across_two_trainers(strategy, coordinator):
+    with strategy.scope():
+        model = classifier(keras.optimizers.SGD(0.0001))
+    history = dps.keras.fit(model, X, Y, batch_size=7, epochs=2, verbose=0, coordinator=coordinator)
+    assert int(model.optimizer.iterations.numpy()) == 2 * 43
+    # the loss tracker's count is the number of rows seen: each row once per epoch
+    counts = [np.asarray(v.value) for v in model.metrics_variables if v.path == "loss/count"]
+    assert counts and float(counts[0]) == len(X)
+    assert len(history.history["loss"]) == 2
+
+
+# -- refusals: named arguments, nothing made on a server ---------------------------------------
+
+def _server_variables(strategy):
+    return [s["num_variables"] for s in strategy.ps_stats()]
+
+
+class MySGD(keras.optimizers.SGD):
+    pass
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda m: m.compile(optimizer=MySGD(0.1), loss="mse"), "MySGD"),
+    (lambda m: m.compile(optimizer=keras.optimizers.Adafactor(), loss="mse"), "Adafactor"),
+    (lambda m: m.compile(optimizer=keras.optimizers.Adam(use_ema=True), loss="mse"), "use_ema"),
+])
+def test_an_optimizer_the_servers_cannot_run_is_refused_before_anything_is_made(strategy, coordinator, bad, match):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+    bad(model)
+    before = _server_variables(strategy)
+    with pytest.raises((TypeError, ValueError), match=match):
+        dps.keras.fit(model, X, X[:, :1], verbose=0, coordinator=coordinator)
+    assert _server_variables(strategy) == before
+
+
+def test_bad_input_is_refused_with_the_argument_named(strategy, coordinator):
+    keras.utils.set_random_seed(0)
+    uncompiled = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match="compiled"):
+        dps.keras.fit(uncompiled, X, Y, coordinator=coordinator)
+    model = classifier()
+    before = _server_variables(strategy)
+    cases = [
+        (dict(x=X), ValueError, "y must be given"),
+        (dict(x=X, y=Y[:10]), ValueError, "same number of rows"),
+        (dict(x=X, y=Y, batch_size=0), ValueError, "batch_size"),
+        (dict(x=X, y=Y, epochs=-1), ValueError, "epochs"),
+        (dict(x=X, y=Y, steps_per_execution=0), ValueError, "steps_per_execution"),
+        (dict(x=X, y=Y, validation_data=XV), ValueError, "validation_data"),
+        (dict(x=X, y=Y, shuffle="yes"), ValueError, "shuffle"),
+        (dict(x=X, y=Y, validation_freq=0), ValueError, "validation_freq"),
+        (dict(x="data.csv", y=Y), TypeError, "numpy arrays"),
+    ]
+    for kwargs, error, match in cases:
+        with pytest.raises(error, match=match):
+            dps.keras.fit(model, verbose=0, **kwargs, coordinator=coordinator)
+    assert _server_variables(strategy) == before
+
+
+def test_without_a_coordinator_or_scope_the_error_names_both_ways(client):
+    two = [dps.ParameterServerStrategy(client), dps.ParameterServerStrategy(client)]  # which one is meant?
+    assert len(dps.ParameterServerStrategy.open_strategies()) >= 2
+    model = classifier()
+    with pytest.raises(ValueError, match="coordinator=.*strategy.scope"):
+        dps.keras.fit(model, X, Y, verbose=0)
+    for s in two:
+        s.close()
+
+
+def test_a_trainer_on_another_backend_says_what_to_set():
+    from daskps.keras.program import check_backend
+
+    with pytest.raises(RuntimeError, match="KERAS_BACKEND=torch"):
+        check_backend("torch")
