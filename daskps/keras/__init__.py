@@ -64,7 +64,7 @@ def fit(model: Any, x: Any = None, y: Any = None, *, batch_size: int | None = No
     -------
     keras.callbacks.History
     """
-    from daskps.keras import loop
+    import daskps.keras.loop as loop
 
     return loop.fit(model, x, y, batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
                     validation_data=validation_data, shuffle=shuffle, initial_epoch=initial_epoch,
@@ -84,7 +84,7 @@ def evaluate(model: Any, x: Any = None, y: Any = None, *, batch_size: int | None
     Returns the loss and metrics as ``model.evaluate`` does (a dict with
     ``return_dict=True``).
     """
-    from daskps.keras import loop
+    import daskps.keras.loop as loop
 
     return loop.evaluate(model, x, y, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks,
                          return_dict=return_dict, coordinator=coordinator, sample_weight=sample_weight)
@@ -93,7 +93,7 @@ def evaluate(model: Any, x: Any = None, y: Any = None, *, batch_size: int | None
 def predict(model: Any, x: Any, *, batch_size: int | None = None, verbose: Any = "auto",
             coordinator: Any = None, steps: int | None = None, callbacks: Any = None) -> Any:
     """Predict on the trainers with the servers' weights, as ``model.predict``: numpy, in the order of ``x``."""
-    from daskps.keras import loop
+    import daskps.keras.loop as loop
 
     return loop.predict(model, x, batch_size=batch_size, verbose=verbose, coordinator=coordinator, steps=steps,
                         callbacks=callbacks)

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from daskps.coordinator.coordinator import ClusterCoordinator
-from daskps.keras import optimizer as keras_optimizer
 from daskps.keras.data import Repeat
+from daskps.keras.optimizer import keras_config, uses_schedule
 from daskps.keras.program import ModelBlob, PredictStep, TestStep, TrainStep
 from daskps.variables.variable import Variable, read_values
 
@@ -44,7 +44,7 @@ class Binding:
         self.backend = keras.backend.backend()
         self.keras_optimizer = model.optimizer
         # Checked before anything is made on a server: a refused optimizer leaves nothing behind.
-        optimizer_class, optimizer_config = keras_optimizer.keras_config(model.optimizer)
+        optimizer_class, optimizer_config = keras_config(model.optimizer)
         with self.strategy.scope():
             self.trainable = [Variable(_value(v), trainable=True, name=v.path) for v in model.trainable_variables]
             self.non_trainable = [Variable(_value(v), trainable=False, name=v.path)
@@ -94,7 +94,7 @@ class Binding:
 
     # -- the learning rate, which callbacks set on the local optimizer ---------------------
     def _local_rate(self) -> float | None:
-        if keras_optimizer.uses_schedule(self.keras_optimizer):
+        if uses_schedule(self.keras_optimizer):
             return None  # a schedule follows the servers' step count; Keras lets no callback replace it
         return float(np.asarray(self.keras_optimizer.learning_rate))
 

@@ -116,7 +116,7 @@ class Plan:
         assert n is not None and bs is not None
         if self.shuffle is True:
             order = np.random.permutation(n)  # numpy's global generator: keras.utils.set_random_seed seeds it
-            rows = [order[i * bs:(i + 1) * bs] for i in range(self.num_batches)]
+            rows: list[Any] = [order[i * bs:(i + 1) * bs] for i in range(self.num_batches)]
         else:
             batches = list(range(math.ceil(n / bs)))
             if self.shuffle == "batch":
@@ -183,7 +183,7 @@ def as_source(x: Any, y: Any, sample_weight: Any, class_weight: Any, batch_size:
     for arg, part in (("x", x), ("y", y), ("sample_weight", sample_weight)):
         _leaves(part, arg if what == "x" else f"{what}'s {arg}")
     x, y, sample_weight = _as_numpy(x), _as_numpy(y), _as_numpy(sample_weight)
-    lengths = {}
+    lengths: dict[str, set[int]] = {}
     for arg, part in (("x", x), ("y", y), ("sample_weight", sample_weight)):
         if part is None:
             continue
@@ -195,7 +195,8 @@ def as_source(x: Any, y: Any, sample_weight: Any, class_weight: Any, batch_size:
     if len(sizes) != 1:
         detail = ", ".join(f"{a}: {sorted(s)}" for a, s in lengths.items())
         raise ValueError(f"every array of {what} must have the same number of rows, got {detail}")
-    return Plan(ArrayData(x, y, sample_weight, class_weight), sizes.pop(), int(batch_size), steps,
+    return Plan(ArrayData(x, y, sample_weight, class_weight), sizes.pop(), int(batch_size),
+                None if steps is None else int(steps),
                 steps_per_execution, shuffle)
 
 

@@ -204,8 +204,28 @@ def _first_batch_build(model: Any, plan: Plan) -> None:
         model._symbolic_build(data_batch=(x, y))
 
 
+def _should_validate(epoch: int, validation_freq: Any) -> bool:
+    """Keras' rule: every ``validation_freq``-th epoch, or the (1-based) epochs a list names."""
+    if isinstance(validation_freq, list):
+        return epoch + 1 in validation_freq
+    return (epoch + 1) % validation_freq == 0
+
+
 def _need_y(model: Any) -> bool:
     return model.loss is not None
+
+
+def _train_epoch(binding: Binding, model: Any, train: Plan, cb: Any, iterators: tuple[Any, Any],
+                 wanted: tuple[bool, bool], staleness: int | None) -> MetricsState:
+    """One epoch's steps on the trainers, batch hooks and all; the metrics' state they added up."""
+    metrics = MetricsState(model)
+    batch_logs = _BatchLogs(metrics, *wanted)
+    steps = train.epoch()
+    last = steps[-1].end if steps else -1
+    run_steps(binding.coordinator, binding.train_step, steps, lambda s: (*iterators, s.payload),
+              cb.on_train_batch_begin, lambda end, _: cb.on_train_batch_end(end, batch_logs(end == last)),
+              metrics.add, lambda: bool(model.stop_training), staleness)
+    return metrics
 
 
 def fit(model: Any, x: Any = None, y: Any = None, *, batch_size: int | None = None, epochs: int = 1,
@@ -249,19 +269,12 @@ def fit(model: Any, x: Any = None, y: Any = None, *, batch_size: int | None = No
     every, bar = _batch_logs_wanted(cb, "on_train_batch_end")
     logs: dict[str, Any] = {}
     for epoch in range(initial_epoch, epochs):
-        metrics = MetricsState(model)
-        batch_logs = _BatchLogs(metrics, every, bar)
         cb.on_epoch_begin(epoch)
         binding.sync_learning_rate()  # LearningRateScheduler sets it in on_epoch_begin
-        steps = train.epoch()
-        last = steps[-1].end if steps else -1
-        run_steps(coordinator, binding.train_step, steps,
-                  lambda s: (model_iterator, train_iterator, s.payload), cb.on_train_batch_begin,
-                  lambda end, _: cb.on_train_batch_end(end, batch_logs(end == last)), metrics.add,
-                  lambda: bool(model.stop_training), staleness)
+        metrics = _train_epoch(binding, model, train, cb, (model_iterator, train_iterator), (every, bar), staleness)
         binding.pull(model)  # on_epoch_end sees the trained weights (ModelCheckpoint, EarlyStopping)
         logs = metrics.logs()
-        if val is not None and model._should_eval(epoch, validation_freq):
+        if val is not None and _should_validate(epoch, validation_freq):
             assert val_data is not None
             val_logs = _run_test(binding, model, val, cb, val_data[1], staleness)
             logs.update({f"val_{k}": v for k, v in val_logs.items()})

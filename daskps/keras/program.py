@@ -83,7 +83,7 @@ class _Program:
         check_backend(blob.backend)
         import jax
 
-        self.model = model = pickle.loads(blob.model)
+        self.model = pickle.loads(blob.model)
         self.model.reset_metrics()
         self.built = False
         self.blob = blob
