@@ -9,7 +9,12 @@ numbers are Keras' too.
 
 from __future__ import annotations
 
+import difflib
 import os
+import pathlib
+import re
+import subprocess
+import sys
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
@@ -381,3 +386,37 @@ def test_a_trainer_on_another_backend_says_what_to_set():
 
     with pytest.raises(RuntimeError, match="KERAS_BACKEND=torch"):
         check_backend("torch")
+
+
+# -- the docs' claim: a Keras script moves to daskps by three lines, besides the cluster ------------------
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+CLUSTER_WORDS = ("LocalPSCluster", "ParameterServerStrategy(", ".close()", "import daskps")
+
+
+def _code(path):
+    lines = path.read_text().splitlines()
+    return lines[lines.index('"""') + 1:]  # without the module docstring
+
+
+def test_the_docs_show_the_whole_diff_and_it_changes_three_lines_besides_the_cluster():
+    local, moved = _code(EXAMPLES / "keras_local.py"), _code(EXAMPLES / "keras_fit.py")
+    diff = list(difflib.unified_diff(local, moved, "keras_local.py", "keras_fit.py", n=1, lineterm=""))
+    page = (EXAMPLES.parent / "docs" / "user-guide" / "keras.md").read_text()
+    assert "```diff\n" + "\n".join(diff) + "\n```" in page
+    added = [line[1:] for line in diff if line.startswith("+") and not line.startswith("+++") and line[1:].strip()]
+    changed = [line for line in added if not any(word in line for word in CLUSTER_WORDS)]
+    assert [line.strip() for line in changed] == [
+        "with strategy.scope():", "model = make_model()",
+        "history = dps.keras.fit(model, x, y, batch_size=64, epochs=6, validation_data=(x_val, y_val), "
+        "callbacks=callbacks, verbose=2)"]
+
+
+@pytest.mark.parametrize("script", ["keras_local.py", "keras_fit.py"])
+def test_both_example_scripts_train(script, tmp_path):
+    done = subprocess.run([sys.executable, str(EXAMPLES / script)], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=170)
+    assert done.returncode == 0, done.stderr[-3000:]
+    accuracy = float(re.search(r"validation accuracy (\d\.\d+) after", done.stdout).group(1))
+    assert accuracy > 0.85, done.stdout
+    assert (tmp_path / "keras_example.keras").exists()  # ModelCheckpoint wrote the model
