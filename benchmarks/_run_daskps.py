@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import time
+
+os.environ.setdefault("KERAS_BACKEND", "jax")  # before Keras is imported here and in the cluster's workers
 
 import numpy as np
 from _workloads import (
@@ -22,6 +25,7 @@ from _workloads import (
     dense_grads,
     dense_init,
     dense_jax_grad,
+    dense_keras_model,
     small_grads,
     small_init,
     timed_schedule,
@@ -91,6 +95,27 @@ def _daskps_dense_jax(strategy, coordinator, steps: int) -> float:
         return float(loss)
 
     return BATCH * _timed(coordinator, step, (iter(data),), steps, warmup=20)
+
+
+def _daskps_keras_fit(strategy, coordinator, steps: int, steps_per_execution: int = 1) -> float:
+    """``dense`` as a Keras model through ``dps.keras.fit``: Keras' own step (loss tracker included) per batch."""
+    import daskps.keras  # noqa: F401
+
+    with strategy.scope():
+        model = dense_keras_model()
+
+    def dataset_fn(ctx):
+        return ((x, y) for x, y in _cycle(dense_batches(ctx.input_pipeline_id)))
+
+    kwargs = dict(verbose=0, coordinator=coordinator, steps_per_execution=steps_per_execution)
+    dps.keras.fit(model, dataset_fn, steps_per_epoch=8 * len(strategy.trainer_names), **kwargs)  # compiles on each
+    start = time.perf_counter()
+    dps.keras.fit(model, dataset_fn, steps_per_epoch=steps, **kwargs)
+    return BATCH * steps / (time.perf_counter() - start)
+
+
+def _daskps_keras_fit4(strategy, coordinator, steps: int) -> float:
+    return _daskps_keras_fit(strategy, coordinator, steps, steps_per_execution=4)
 
 
 def _daskps_ctr(strategy, coordinator, steps: int) -> float:

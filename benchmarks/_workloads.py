@@ -95,6 +95,18 @@ def dense_jax_grad():
     return jax.jit(jax.value_and_grad(loss))
 
 
+def dense_keras_model():
+    """The MLP of ``dense`` as a compiled Keras 3 model: the same shapes, initial weights, loss and SGD."""
+    import keras
+
+    init = dense_init()
+    model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(256, activation="relu"), keras.layers.Dense(10)])
+    model.set_weights([init["w1"], init["b1"], init["w2"], init["b2"]])
+    model.compile(optimizer=keras.optimizers.SGD(LR),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
 def ctr_table(shape, dtype, partition_shape=None, partition_offset=None):
     """Initializer for the embedding table (each shard builds its own rows)."""
     rows = partition_shape or shape
@@ -135,7 +147,8 @@ def small_grads(values: list[np.ndarray]) -> list[np.ndarray]:
     return [np.float32(0.01) * v + np.float32(0.001) for v in values]
 
 
-EXAMPLES_PER_STEP = {"dispatch": 1, "dense": BATCH, "dense_jax": BATCH, "ctr": BATCH, "small": 1}
+EXAMPLES_PER_STEP = {"dispatch": 1, "dense": BATCH, "dense_jax": BATCH, "keras_fit": BATCH, "keras_fit4": BATCH,
+                     "ctr": BATCH, "small": 1}
 # A thousand empty functions take a tenth of a second: each system times them three times, keeping the best.
 REPEATS = {"dispatch": 3}
 
@@ -168,7 +181,8 @@ def best_rate(name: str, steps: int, run) -> float:
         run()
         best = max(best, steps / (time.perf_counter() - start))
     return best
-UNITS = {"dispatch": "functions/s", "dense": "examples/s", "dense_jax": "examples/s", "ctr": "examples/s",
+UNITS = {"dispatch": "functions/s", "dense": "examples/s", "dense_jax": "examples/s", "keras_fit": "examples/s",
+         "keras_fit4": "examples/s", "ctr": "examples/s",
          "ctr_hash": "examples/s",
          "small": "steps/s"}
 

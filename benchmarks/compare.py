@@ -4,7 +4,9 @@ Four workloads (see ``_workloads.py``) on 2 parameter servers and 2 trainers
 by default: empty-function dispatch, a dense MLP, a CTR model with a sharded
 embedding table, and 64 small variables; and on daskps alone ``dense_jax``,
 the dense MLP with a jitted JAX step (when JAX is installed), read against
-daskps' own ``dense``, and ``ctr_hash``, the CTR model with a hash
+daskps' own ``dense``; ``keras_fit`` and ``keras_fit4``, the same MLP as a compiled
+Keras 3 model trained by ``dps.keras.fit`` (``steps_per_execution`` 1 and 4, JAX
+backend), read against ``dense_jax``; and ``ctr_hash``, the CTR model with a hash
 ``EmbeddingTable``, read against daskps' own ``ctr``. Each system runs in a fresh
 subprocess per round, the systems alternating, over ``--rounds`` rounds; the
 table shows the best round of each and daskps' ratio to each peer.
@@ -35,9 +37,9 @@ from _workloads import UNITS, run_child  # noqa: E402
 
 SYSTEMS = {"daskps": "daskps", "tf": "tensorflow", "ray": "ray", "torch": "torch", "dask": "distributed"}
 NAMES = {"daskps": "daskps", "tf": "TensorFlow PSS", "ray": "Ray actors", "torch": "PyTorch RPC", "dask": "raw Dask"}
-WORKLOADS = ["dispatch", "dense", "dense_jax", "ctr", "ctr_hash", "small"]
-ONLY_ON = {"dense_jax": ("daskps",), "ctr_hash": ("daskps",)}  # workloads the other systems do not run
-STEPS = {"dispatch": 1000, "dense": 1000, "dense_jax": 1000, "ctr": 1000, "ctr_hash": 1000, "small": 1000}  # long enough for a steady state
+WORKLOADS = ["dispatch", "dense", "dense_jax", "keras_fit", "keras_fit4", "ctr", "ctr_hash", "small"]
+ONLY_ON = {"dense_jax": ("daskps",), "keras_fit": ("daskps",), "keras_fit4": ("daskps",), "ctr_hash": ("daskps",)}  # workloads the other systems do not run
+STEPS = {"dispatch": 1000, "dense": 1000, "dense_jax": 1000, "keras_fit": 1000, "keras_fit4": 1000, "ctr": 1000, "ctr_hash": 1000, "small": 1000}  # long enough for a steady state
 STEPS_PER_TRAINER = {"dense": 1000}  # in the scaling mode
 SCALING_STEPS = {"dispatch": 5000}  # in the scaling mode: long enough to time on a big machine
 
@@ -118,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     if "dense_jax" in workloads and importlib.util.find_spec("jax") is None:
         workloads.remove("dense_jax")
         print("# JAX not installed, dense_jax skipped (pip install '.[jax]')")
+    for w in ("keras_fit", "keras_fit4"):
+        if w in workloads and importlib.util.find_spec("keras") is None:
+            workloads.remove(w)
+            print(f"# Keras not installed, {w} skipped (pip install '.[keras]')")
     print(f"# {platform.node()}: {os.cpu_count()} cores, Python {platform.python_version()}, "
           f"{time.strftime('%Y-%m-%d')}; {args.ps} ps")
     if missing:
@@ -132,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     mine = best.get("daskps", {})
     if "dense" in mine and "dense_jax" in mine:
         print(f"# daskps dense_jax / dense: {mine['dense_jax'] / mine['dense']:.2f}x")
+    for w in ("keras_fit", "keras_fit4"):
+        if "dense_jax" in mine and w in mine:
+            print(f"# daskps {w} / dense_jax: {mine[w] / mine['dense_jax']:.2f}x")
     if "ctr" in mine and "ctr_hash" in mine:
         print(f"# daskps ctr_hash / ctr: {mine['ctr_hash'] / mine['ctr']:.2f}x")
     return 0

@@ -27,8 +27,10 @@ from daskps.keras.data import Plan, Repeat, Step, as_source, is_dataset_fn, vali
 
 __all__ = ["evaluate", "fit", "predict"]
 
-# Steps scheduled ahead of the one whose result the loop waits for, per trainer.
-STEPS_AHEAD_PER_TRAINER = 16
+# Steps scheduled ahead of the one whose result the loop waits for, per trainer. The loop tops the window
+# up once half of it has come back, so that the coordinator packs many steps into each Dask task (one
+# schedule() at a time would make a task of each).
+STEPS_AHEAD_PER_TRAINER = 32
 # How often batch logs are worked out for the progress bar alone (seconds).
 PROGBAR_INTERVAL = 0.1
 
@@ -97,7 +99,7 @@ class MetricsState:
         if len(delta) != len(self.state):
             raise RuntimeError(f"a trainer's step gave {len(delta)} metric variables, the model has {len(self.state)}")
         for s, d in zip(self.state, delta):
-            s += d.astype(s.dtype, copy=False)
+            s += np.asarray(d, dtype=s.dtype)
 
     def logs(self) -> dict[str, Any]:
         """Keras' logs for the state so far: the local metrics are given it, and ``result()`` does the rest."""
@@ -136,12 +138,15 @@ def run_steps(coordinator: ClusterCoordinator, fn: Any, steps: list[Step], args:
     window = max(2, STEPS_AHEAD_PER_TRAINER * max(1, len(coordinator.strategy.trainer_names)))
     pending: deque[tuple[Step, Any]] = deque()
     todo = deque(steps)
+    refilling = False
     try:
         while todo or pending:
-            while todo and len(pending) < window and not stop():
+            while todo and len(pending) < window and not stop() and (len(pending) <= window // 2 or refilling):
                 step = todo.popleft()
                 on_begin(step.begin)
                 pending.append((step, coordinator.schedule(fn, args=args(step), staleness=staleness)))
+                refilling = True
+            refilling = False
             if not pending:
                 break
             step, value = pending.popleft()

@@ -51,6 +51,11 @@ class StepResult(NamedTuple):
     sample: Any = None
 
 
+def _plain(delta: list[np.ndarray]) -> list[Any]:
+    """Scalars as Python numbers: a report with numpy arrays in it travels through the scheduler much slower."""
+    return [d.item() if d.ndim == 0 else d for d in delta]
+
+
 def _sample(batch: Any) -> Any:
     import keras
 
@@ -190,7 +195,7 @@ class TrainStep(_Step):
                     var.assign_add(new - old)
             delta = [np.asarray(m) - s for m, s in zip(metrics, prog.metrics_start)]
             total = delta if total is None else [t + d for t, d in zip(total, delta)]
-        return StepResult(total or [], None if prog.blob.metric_shapes or not batches else _sample(batches[0]))
+        return StepResult(_plain(total or []), None if prog.blob.metric_shapes or not batches else _sample(batches[0]))
 
 
 class TestStep(_Step):
@@ -206,7 +211,7 @@ class TestStep(_Step):
             _, (_, _, metrics) = prog.test_fn()((trainable, non_trainable, prog.metrics_start), batch)
             delta = [np.asarray(m) - s for m, s in zip(metrics, prog.metrics_start)]
             total = delta if total is None else [t + d for t, d in zip(total, delta)]
-        return StepResult(total or [], None if prog.blob.metric_shapes or not batches else _sample(batches[0]))
+        return StepResult(_plain(total or []), None if prog.blob.metric_shapes or not batches else _sample(batches[0]))
 
 
 class PredictStep(_Step):
