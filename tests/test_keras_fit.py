@@ -372,6 +372,10 @@ def test_bad_input_is_refused_with_the_argument_named(strategy, coordinator):
 
 
 def test_without_a_coordinator_or_scope_the_error_names_both_ways(client):
+    gone = dps.ParameterServerStrategy(client)
+    with gone.scope():
+        pass
+    gone.close()  # the last scope entered belongs to a closed strategy
     two = [dps.ParameterServerStrategy(client), dps.ParameterServerStrategy(client)]  # which one is meant?
     assert len(dps.ParameterServerStrategy.open_strategies()) >= 2
     model = classifier()
@@ -379,6 +383,16 @@ def test_without_a_coordinator_or_scope_the_error_names_both_ways(client):
         dps.keras.fit(model, X, Y, verbose=0)
     for s in two:
         s.close()
+
+
+def test_fit_after_the_scope_uses_the_strategy_the_model_was_built_in(client, strategy):
+    other = dps.ParameterServerStrategy(client)  # open too: the scope decides
+    with strategy.scope():
+        model = classifier()
+    dps.keras.fit(model, X, Y, epochs=1, verbose=0)
+    assert strategy.coordinator is not None and strategy.coordinator.stats["done"] == 10
+    assert other.coordinator is None
+    other.close()
 
 
 def test_a_trainer_on_another_backend_says_what_to_set():

@@ -174,6 +174,19 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         """The strategies made in this process that are not closed (``dps.keras`` picks one when it is alone)."""
         return [s for s in list(_MADE_HERE) if not s.closed]
 
+    @staticmethod
+    def last_scoped() -> ParameterServerStrategy | None:
+        """The strategy whose ``scope()`` was entered last in this process, if it is still open.
+
+        A Keras model built and compiled in a strategy's scope is trained
+        with that strategy's coordinator by ``dps.keras.fit`` called after the
+        scope, as TensorFlow's ``model.fit`` uses the strategy the model was
+        made under.
+        """
+        ref = _LAST_SCOPED[0]
+        found = ref() if ref is not None else None
+        return None if found is None or found.closed else found
+
     # -- pickling: a worker-side view ------------------------------------------
     def __reduce__(self) -> Any:
         return (self._worker_view, (self._token, tuple(self._ps), tuple(self._worker_names),
@@ -296,6 +309,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
     def scope(self) -> Iterator[ParameterServerStrategy]:
         """Make this strategy current: variables made inside go to its parameter servers."""
         self.check_open("strategy.scope()")
+        _LAST_SCOPED[0] = weakref.ref(self)
         with super().scope():
             yield self
 
@@ -398,6 +412,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
 
 _WORKER_VIEWS: weakref.WeakValueDictionary[str, ParameterServerStrategy] = weakref.WeakValueDictionary()
 _MADE_HERE: weakref.WeakSet[ParameterServerStrategy] = weakref.WeakSet()  # on the coordinator
+_LAST_SCOPED: list[Any] = [None]  # a weak reference to the strategy whose scope() was entered last
 
 
 def _resolve(cluster_resolver: Any) -> tuple[DaskClusterResolver, bool]:

@@ -43,13 +43,16 @@ def resolve_coordinator(coordinator: Any) -> ClusterCoordinator:
     strategy = context.get_strategy()
     if isinstance(strategy, ParameterServerStrategy):
         return ClusterCoordinator(strategy)
+    last = ParameterServerStrategy.last_scoped()  # where the model was built and compiled, as a script has it
+    if last is not None:
+        return ClusterCoordinator(last)
     found = ParameterServerStrategy.open_strategies()
-    if len(found) == 1:  # the strategy the model was built in, as a script has it
+    if len(found) == 1:
         return ClusterCoordinator(found[0])
     raise ValueError(
-        f"no coordinator: this process has {len(found)} open ParameterServerStrategy objects and none whose "
-        "scope is entered; pass coordinator=dps.ClusterCoordinator(strategy), or call dps.keras inside "
-        "`with strategy.scope():`"
+        f"no coordinator: this process has {len(found)} open ParameterServerStrategy objects, none whose "
+        "scope() is entered or was entered last; pass coordinator=dps.ClusterCoordinator(strategy), or "
+        "build the model and call dps.keras inside `with strategy.scope():`"
     )
 
 
