@@ -30,7 +30,7 @@ __all__ = ["evaluate", "fit", "predict"]
 # Steps scheduled ahead of the one whose result the loop waits for, per trainer. The loop tops the window
 # up once half of it has come back, so that the coordinator packs many steps into each Dask task (one
 # schedule() at a time would make a task of each).
-STEPS_AHEAD_PER_TRAINER = 32
+STEPS_AHEAD_PER_TRAINER = 64
 # How often batch logs are worked out for the progress bar alone (seconds).
 PROGBAR_INTERVAL = 0.1
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from daskps.variables.variable import read_values
 
-__all__ = ["ModelBlob", "PredictStep", "StepResult", "TestStep", "TrainStep", "check_backend"]
+__all__ = ["ModelBlob", "PredictStep", "StepResult", "TestStep", "TrainStep", "check_backend", "program", "programs_with_train_step"]
 
 # Programs built in this process, by the id of the binding that made them (newest last).
 _PROGRAMS: collections.OrderedDict[str, Any] = collections.OrderedDict()
@@ -112,6 +112,10 @@ class _Program:
         self.metrics_start = [np.asarray(v.value) for v in self.model.metrics_variables]
         self.built = True
 
+    @property
+    def has_train_step(self) -> bool:
+        return self._train is not None
+
     def train_fn(self) -> Any:
         if self._train is None:
             model, jax = self.model, self._jax
@@ -140,6 +144,12 @@ class _Program:
         if self._predict is None:
             self._predict = self._jax.jit(self.model.predict_step)
         return self._predict
+
+
+def programs_with_train_step() -> int:
+    """How many programs in this process have compiled their training step (benchmarks warm up with it)."""
+    with _PROGRAMS_LOCK:
+        return sum(1 for p in _PROGRAMS.values() if p.has_train_step)
 
 
 def program(blob: ModelBlob) -> _Program:
