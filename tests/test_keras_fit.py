@@ -325,6 +325,35 @@ def test_each_batch_is_trained_exactly_once_across_two_trainers(strategy, coordi
     assert len(history.history["loss"]) == 2
 
 
+def test_dask_arrays_train_as_keras_does_on_the_same_batches(strategy, coordinator, one_trainer):
+    da = pytest.importorskip("dask.array")
+    reference = classifier()
+    want = reference.fit(X, Y, batch_size=32, epochs=2, shuffle=False, validation_data=(XV, YV), verbose=0)
+    with strategy.scope():
+        model = classifier()
+    # partitions of 96 rows: the batches of 32 (and the last of 12) are Keras' own
+    got = dps.keras.fit(model, da.from_array(X, chunks=96), da.from_array(Y, chunks=96), batch_size=32, epochs=2,
+                        shuffle=False, validation_data=(da.from_array(XV, chunks=32), da.from_array(YV, chunks=32)),
+                        verbose=0, coordinator=coordinator)
+    assert_history_close(got, want)
+    assert_weights_close(model, reference)
+    assert int(model.optimizer.iterations.numpy()) == 20
+
+
+def test_a_dask_dataframe_and_series_evaluate_as_keras_on_two_trainers(strategy, coordinator):
+    dd = pytest.importorskip("dask.dataframe")
+    pd = pytest.importorskip("pandas")
+    with strategy.scope():
+        model = classifier()
+    frame = dd.from_pandas(pd.DataFrame(XV, columns=list("abcdef")), npartitions=4)
+    labels = dd.from_pandas(pd.Series(YV, name="label"), npartitions=4)
+    dps.keras.fit(model, frame, labels, batch_size=16, epochs=1, verbose=0, coordinator=coordinator)
+    got = dps.keras.evaluate(model, frame, labels, batch_size=16, verbose=0, coordinator=coordinator)
+    np.testing.assert_allclose(got, model.evaluate(XV, YV, batch_size=16, verbose=0), rtol=1e-4)
+    with pytest.raises(TypeError, match="y must be a Dask collection too"):
+        dps.keras.fit(model, frame, YV, verbose=0, coordinator=coordinator)
+
+
 # -- refusals: named arguments, nothing made on a server ---------------------------------------
 
 def _server_variables(strategy):

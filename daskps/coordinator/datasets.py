@@ -193,6 +193,11 @@ class PerWorkerDataset:
             self._iterators += 1
             return PerWorkerIterator(self._spec, self._iterators, self)
 
+    @property
+    def dataset_fn(self) -> Callable[..., Any]:
+        """What each trainer builds its dataset with (for ``dps.data.from_dask`` input, its reader)."""
+        return self._fn
+
     def _release(self) -> None:
         """Forget the dataset on every worker now (``strategy.close``)."""
         self._keep = None

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["ArrayData", "Plan", "Repeat", "Step", "as_source"]
+__all__ = ["ArrayData", "DaskDraw", "Plan", "Repeat", "Step", "as_source"]
 
 
 class Repeat:
@@ -39,6 +39,26 @@ class Step(NamedTuple):
     begin: int
     end: int
     payload: Any  # a list of row selections (arrays), or a number of batches to draw (a dataset_fn)
+
+
+class DaskDraw(NamedTuple):
+    """A step's batches from a Dask collection: how many to draw from the cluster's queue, and how each
+    component of a batch becomes what Keras takes ("frame": a DataFrame's columns stacked into a matrix,
+    "series": its one column, "array": as it is)."""
+
+    count: int
+    kinds: tuple[str, ...]
+
+    def convert(self, batch: Any) -> tuple[Any, ...]:
+        parts = batch if isinstance(batch, tuple) else (batch,)
+        out = []
+        for kind, part in zip(self.kinds, parts):
+            if kind == "frame":
+                part = np.stack([np.asarray(c) for c in part.values()], axis=1)
+            elif kind == "series":
+                part = np.asarray(next(iter(part.values())))
+            out.append(part)
+        return tuple(out)
 
 
 def _leaves(structure: Any, arg: str) -> list[Any]:
@@ -83,12 +103,14 @@ class Plan:
     """Where an input's batches come from: on the trainers (``source``) and, per epoch, the steps."""
 
     def __init__(self, source: Any, num_rows: int | None, batch_size: int | None, steps_per_epoch: int | None,
-                 steps_per_execution: int, shuffle: Any):
+                 steps_per_execution: int, shuffle: Any, dask: tuple[Any, tuple[str, ...]] | None = None):
         self.source = source  # an ArrayData (sent once) or a dataset_fn (built on each trainer)
+        self.dask = dask  # a Dask input: (the collections to read, what each is), batched when the fit starts
         self.num_rows = num_rows
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.steps_per_execution = steps_per_execution
+        self.steps_cap = steps_per_epoch
         if num_rows is None:
             self.num_batches = steps_per_epoch
         else:
@@ -100,7 +122,25 @@ class Plan:
 
     @property
     def is_arrays(self) -> bool:
-        return self.num_rows is not None
+        return self.num_rows is not None and self.dask is None
+
+    def dask_dataset(self, coordinator: Any, passes: int) -> Any:
+        """The per-worker dataset of a Dask input: ``passes`` epochs, each batch handed out exactly once.
+
+        Counts the batches of an epoch (rows per partition are counted where
+        the partitions live) and sets ``num_batches`` from them.
+        """
+        from daskps.data import from_dask
+
+        parts, _ = self.dask  # type: ignore[misc]
+        assert self.batch_size is not None
+        dataset = coordinator.create_per_worker_dataset(from_dask(
+            parts, self.batch_size, shuffle=self.shuffle is not False, epochs=max(1, passes), exactly_once=True))
+        rows = dataset.dataset_fn.rows
+        available = sum(math.ceil(r / self.batch_size) for r in rows)
+        self.num_rows = sum(rows)
+        self.num_batches = available if self.steps_cap is None else min(self.steps_cap, available)
+        return dataset
 
     def first_batch(self) -> Any:
         """A small batch on the coordinator, for Keras to build the metrics (arrays only)."""
@@ -110,6 +150,10 @@ class Plan:
         """The steps of one epoch, each ``steps_per_execution`` batches (the last may hold fewer)."""
         assert self.num_batches is not None
         k = self.steps_per_execution
+        if self.dask is not None:
+            kinds = self.dask[1]
+            return [Step(b, b + k - 1, DaskDraw(min(k, self.num_batches - b), kinds))
+                    for b in range(0, self.num_batches, k)]
         if not self.is_arrays:
             return [Step(b, b + k - 1, min(k, self.num_batches - b)) for b in range(0, self.num_batches, k)]
         n, bs = self.num_rows, self.batch_size
@@ -146,12 +190,9 @@ def as_source(x: Any, y: Any, sample_weight: Any, class_weight: Any, batch_size:
 
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1):
         raise ValueError(f"{steps_arg} must be a positive integer or None, got {steps!r}")
-    if _is_dask(x) or _is_dask(y):
-        raise TypeError(
-            f"{what} is a Dask collection: dps.keras takes numpy arrays or a per-worker dataset_fn for now; "
-            "wrap the collection as dataset_fn=lambda: <an iterator of (x, y) batches>, or pass "
-            "dps.data.from_dask(...) to coordinator.create_per_worker_dataset and use the coordinator directly"
-        )
+    if _is_dask(x) or _is_dask(y) or _is_dask(sample_weight):
+        return _dask_plan(x, y, sample_weight, class_weight, batch_size, steps, steps_per_execution, shuffle,
+                          what=what, need_y=need_y)
     if _dataset_fn(x):
         for arg, value in (("y", y), ("sample_weight", sample_weight), ("class_weight", class_weight),
                            ("batch_size", batch_size)):
@@ -198,6 +239,46 @@ def as_source(x: Any, y: Any, sample_weight: Any, class_weight: Any, batch_size:
     return Plan(ArrayData(x, y, sample_weight, class_weight), sizes.pop(), int(batch_size),
                 None if steps is None else int(steps),
                 steps_per_execution, shuffle)
+
+
+def _dask_kind(part: Any, arg: str) -> tuple[Any, str]:
+    """A Dask collection as ``from_dask`` reads it, and how its batches become Keras' input."""
+    name = type(part).__name__
+    if name == "Series":
+        return part.to_frame(), "series"
+    if name == "DataFrame":
+        return part, "frame"
+    if name == "Array":
+        return part, "array"
+    raise TypeError(f"{arg} must be a dask Array, DataFrame or Series when any input is a Dask collection "
+                    f"(all of x, y and sample_weight then), got {type(part).__module__}.{name}")
+
+
+def _dask_plan(x: Any, y: Any, sample_weight: Any, class_weight: Any, batch_size: Any, steps: Any,
+               steps_per_execution: int, shuffle: Any, *, what: str, need_y: bool) -> Plan:
+    """A Dask input: read on the trainers that hold its partitions, each batch once (``from_dask``'s
+    ``exactly_once``), a DataFrame's columns stacked into one matrix as Keras takes a pandas one."""
+    if class_weight is not None:
+        raise ValueError("class_weight is not taken with Dask input: give sample_weight as a dask Array")
+    if need_y and y is None:
+        raise ValueError(f"y must be given with {what} as a Dask collection: the model was compiled with a loss "
+                         "that compares predictions with targets")
+    if batch_size is None:
+        batch_size = 32
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
+    parts, kinds = [], []
+    for arg, part in (("x", x), ("y", y), ("sample_weight", sample_weight)):
+        if part is None:
+            continue
+        if not _is_dask(part):
+            raise TypeError(f"{arg} must be a Dask collection too when another input is one, got "
+                            f"{type(part).__name__}")
+        collection, kind = _dask_kind(part, arg if what == "x" else f"{what}'s {arg}")
+        parts.append(collection)
+        kinds.append(kind)
+    return Plan(None, None, int(batch_size), None if steps is None else int(steps), steps_per_execution, shuffle,
+                dask=(tuple(parts), tuple(kinds)))
 
 
 def validation_parts(validation_data: Any) -> tuple[Any, Any, Any]:

@@ -177,9 +177,15 @@ class _BatchLogs:
         return self.last
 
 
-def _iterator(coordinator: ClusterCoordinator, plan: Plan) -> tuple[Any, Any]:
-    """The per-worker dataset of an input and an iterator on it (kept together: the dataset must live)."""
-    dataset = coordinator.create_per_worker_dataset(Repeat(plan.source) if plan.is_arrays else plan.source)
+def _iterator(coordinator: ClusterCoordinator, plan: Plan, passes: int = 1) -> tuple[Any, Any]:
+    """The per-worker dataset of an input and an iterator on it (kept together: the dataset must live).
+
+    A Dask input is read ``passes`` times, each batch once a pass.
+    """
+    if plan.dask is not None:
+        dataset = plan.dask_dataset(coordinator, passes)
+    else:
+        dataset = coordinator.create_per_worker_dataset(Repeat(plan.source) if plan.is_arrays else plan.source)
     return dataset, iter(dataset)
 
 
@@ -263,11 +269,12 @@ def fit(model: Any, x: Any = None, y: Any = None, *, batch_size: int | None = No
                         need_y=_need_y(model))
     _first_batch_build(model, train)
     binding = binding_for(model, coordinator)  # the variables and optimizer on the servers
+    _, train_iterator = train_data = _iterator(coordinator, train, epochs - initial_epoch)
+    val_passes = sum(_should_validate(e, validation_freq) for e in range(initial_epoch, epochs))
+    val_data = _iterator(coordinator, val, val_passes) if val is not None else None
     cb = callbacks if isinstance(callbacks, keras.callbacks.CallbackList) else keras.callbacks.CallbackList(
         callbacks, add_history=True, add_progbar=verbose != 0, verbose=verbose, epochs=epochs,
         steps=train.num_batches, model=model)
-    _, train_iterator = train_data = _iterator(coordinator, train)
-    val_data = _iterator(coordinator, val) if val is not None else None
     model.stop_training = False
     cb.on_train_begin()
     initial_epoch = model._initial_epoch or initial_epoch  # BackupAndRestore sets it in on_train_begin
@@ -308,9 +315,9 @@ def evaluate(model: Any, x: Any = None, y: Any = None, *, batch_size: int | None
     _first_batch_build(model, plan)
     binding = binding_for(model, coordinator)
     binding.push(model)
+    dataset, iterator = _iterator(coordinator, plan)
     cb = callbacks if isinstance(callbacks, keras.callbacks.CallbackList) else keras.callbacks.CallbackList(
         callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1, steps=plan.num_batches, model=model)
-    dataset, iterator = _iterator(coordinator, plan)
     logs = _run_test(binding, model, plan, cb, iterator, None)
     del dataset
     if return_dict:

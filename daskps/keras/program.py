@@ -20,6 +20,7 @@ import os
 import pickle
 import sys
 import threading
+import warnings
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -88,7 +89,9 @@ class _Program:
         check_backend(blob.backend)
         import jax
 
-        self.model = pickle.loads(blob.model)
+        with warnings.catch_warnings():  # Keras warns that the unbuilt optimizer's slots are not loaded: none are
+            warnings.simplefilter("ignore", UserWarning)
+            self.model = pickle.loads(blob.model)
         self.model.reset_metrics()
         self.built = False
         self.blob = blob
@@ -179,6 +182,8 @@ def _batches(data_iterator: Any, payloads: Any) -> list[Any]:
     """The batches of one step: rows of the arrays sent once, or the next elements of a dataset_fn's iterator."""
     if isinstance(payloads, int):
         return [next(data_iterator) for _ in range(payloads)]
+    if hasattr(payloads, "convert"):  # batches drawn from a Dask collection's queue
+        return [payloads.convert(next(data_iterator)) for _ in range(payloads.count)]
     source = next(data_iterator)
     return [source.batch(p) for p in payloads]
 
