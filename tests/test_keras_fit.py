@@ -354,6 +354,20 @@ def test_a_dask_dataframe_and_series_evaluate_as_keras_on_two_trainers(strategy,
         dps.keras.fit(model, frame, YV, verbose=0, coordinator=coordinator)
 
 
+def test_predict_on_a_dask_collection_is_a_dask_array_computed_on_the_trainers(client, strategy, coordinator):
+    da = pytest.importorskip("dask.array")
+    with strategy.scope():
+        model = classifier()
+    dps.keras.fit(model, X, Y, epochs=1, verbose=0, coordinator=coordinator)
+    lazy = dps.keras.predict(model, da.from_array(XV, chunks=25), batch_size=10, coordinator=coordinator)
+    assert isinstance(lazy, da.Array) and lazy.shape == (90, 3) and lazy.chunks[0] == (25, 25, 25, 15)
+    held = lazy  # already computing: its blocks are futures on the trainers
+    np.testing.assert_allclose(held.compute(), model.predict(XV, verbose=0), rtol=1e-5, atol=1e-6)
+    trainers = {a for a, w in client.scheduler_info()["workers"].items() if "worker" in (w.get("resources") or {})}
+    where = {a for addresses in client.who_has(held).values() for a in addresses}
+    assert where and where <= trainers
+
+
 # -- refusals: named arguments, nothing made on a server ---------------------------------------
 
 def _server_variables(strategy):

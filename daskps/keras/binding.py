@@ -54,17 +54,23 @@ class Binding:
         self.test_step = TestStep(self.trainable, self.non_trainable)
         self.predict_step = PredictStep(self.trainable, self.non_trainable)
         self._model_iterator: Any = None
+        self._blob: ModelBlob | None = None
         self._model_dataset: Any = None
         self._lr = self._local_rate()
         self.fresh = True  # the servers hold the local weights: nothing to write before the first call
 
+    def model_blob(self, model: Any) -> ModelBlob:
+        """The model as the trainers get it (made once: the trainers key their copy by its id)."""
+        if self._blob is None:
+            built = all(getattr(m, "built", True) for m in model.metrics)  # not before a first batch was seen
+            shapes = tuple(tuple(v.shape) for v in model.metrics_variables) if built else ()
+            self._blob = ModelBlob(uuid.uuid4().hex, self.backend, pickle.dumps(model), shapes)
+        return self._blob
+
     def model_iterator(self, model: Any) -> Any:
         """An iterator that gives each trainer its copy of the model (sent once, at the first call)."""
         if self._model_iterator is None:
-            built = all(getattr(m, "built", True) for m in model.metrics)  # not before a first batch was seen
-            shapes = tuple(tuple(v.shape) for v in model.metrics_variables) if built else ()
-            blob = ModelBlob(uuid.uuid4().hex, self.backend, pickle.dumps(model), shapes)
-            self._model_dataset = self.coordinator.create_per_worker_dataset(Repeat(blob))
+            self._model_dataset = self.coordinator.create_per_worker_dataset(Repeat(self.model_blob(model)))
             self._model_iterator = iter(self._model_dataset)
         return self._model_iterator
 

@@ -46,7 +46,7 @@ class DaskDraw(NamedTuple):
     component of a batch becomes what Keras takes ("frame": a DataFrame's columns stacked into a matrix,
     "series": its one column, "array": as it is)."""
 
-    count: int
+    batches: int
     kinds: tuple[str, ...]
 
     def convert(self, batch: Any) -> tuple[Any, ...]:
@@ -130,7 +130,7 @@ class Plan:
         Counts the batches of an epoch (rows per partition are counted where
         the partitions live) and sets ``num_batches`` from them.
         """
-        from daskps.data import from_dask
+        from daskps.distribute.dask_data import from_dask
 
         parts, _ = self.dask  # type: ignore[misc]
         assert self.batch_size is not None

@@ -334,23 +334,65 @@ def predict(model: Any, x: Any, *, batch_size: int | None = None, verbose: Any =
         raise ValueError("model must be compiled before dps.keras.predict: its optimizer runs on the servers "
                          "and its variables are made with it (compile it with any loss)")
     coordinator = resolve_coordinator(coordinator)
+    if type(x).__module__.split(".")[0] in ("dask", "dask_expr"):
+        return _predict_dask(model, x, batch_size, coordinator)
     plan = as_source(x, None, None, None, batch_size, steps, model.steps_per_execution, False,
                      what="x", steps_arg="steps", need_y=False)
     binding = binding_for(model, coordinator)
     binding.push(model)
+    dataset, iterator = _iterator(coordinator, plan)
     cb = callbacks if isinstance(callbacks, keras.callbacks.CallbackList) else keras.callbacks.CallbackList(
         callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1, steps=plan.num_batches, model=model)
-    dataset, iterator = _iterator(coordinator, plan)
     model_iterator = binding.model_iterator(model)
     outputs: list[Any] = []
     model.stop_predicting = False
     cb.on_predict_begin()
     run_steps(coordinator, binding.predict_step, plan.epoch(), lambda s: (model_iterator, iterator, s.payload),
               cb.on_predict_batch_begin, lambda end, _: cb.on_predict_batch_end(end, {"outputs": outputs[-1]}),
-              outputs.extend,
-              lambda: bool(getattr(model, "stop_predicting", False)), None)
+              outputs.extend, lambda: bool(getattr(model, "stop_predicting", False)), None)
     cb.on_predict_end()
     del dataset
     if not outputs:
         raise ValueError("x gave no batches to predict")
     return keras.tree.map_structure(lambda *parts: np.concatenate(parts), *outputs)
+
+
+def _predict_dask(model: Any, x: Any, batch_size: int | None, coordinator: ClusterCoordinator) -> Any:
+    """A Dask Array of predictions, one block per partition of ``x``, computing on the trainers.
+
+    It is returned at once, its blocks being computed (``persist``). Each
+    block reads the servers' weights when it is computed and runs the
+    model (built once per trainer process) on its rows, ``batch_size`` at a
+    time: batch inference over a large collection never passes through here.
+    """
+    import dask
+    import dask.array as da
+    import keras
+
+    from daskps.keras.program import predict_block
+
+    if type(x).__name__ == "DataFrame":
+        x = x.to_dask_array(lengths=True)
+    if not isinstance(x, da.Array):
+        raise TypeError(f"x must be a dask Array or DataFrame (or numpy arrays), got {type(x).__name__}")
+    if x.ndim < 2 or any(len(c) != 1 for c in x.chunks[1:]):
+        raise ValueError("x must be a dask Array of rows, chunked along its first axis only "
+                         f"(use x.rechunk({{1: -1}})), got chunks {x.chunks}")
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
+                                   or batch_size < 1):
+        raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
+    out = model.compute_output_spec(keras.KerasTensor((None,) + tuple(x.shape[1:]), dtype=str(x.dtype)))
+    if not isinstance(out, keras.KerasTensor):
+        raise ValueError("dps.keras.predict on a Dask collection takes a model with one output")
+    binding = binding_for(model, coordinator)
+    binding.push(model)
+    blob = dask.delayed(binding.model_blob(model), traverse=False)
+    lazy = da.map_blocks(predict_block, x, blob, binding.trainable, binding.non_trainable, batch_size or 32,
+                         dtype=np.dtype(out.dtype), chunks=(x.chunks[0],) + tuple((d,) for d in out.shape[1:]),
+                         drop_axis=list(range(1, x.ndim)) if len(out.shape) < x.ndim else None,
+                         new_axis=list(range(x.ndim, len(out.shape))) if len(out.shape) > x.ndim else None,
+                         meta=np.empty((0,) * len(out.shape), np.dtype(out.dtype)))
+    # Started now, every task of it (reading x included) restricted to the trainers; the blocks stay there.
+    resolver = coordinator.strategy.cluster_resolver
+    assert resolver is not None and coordinator.strategy.client is not None
+    return coordinator.strategy.client.persist(lazy, resources={resolver.worker_resource: 1})

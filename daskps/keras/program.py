@@ -27,7 +27,8 @@ import numpy as np
 
 from daskps.variables.variable import read_values
 
-__all__ = ["ModelBlob", "PredictStep", "StepResult", "TestStep", "TrainStep", "check_backend", "program", "programs_with_train_step"]
+__all__ = ["ModelBlob", "PredictStep", "StepResult", "TestStep", "TrainStep", "check_backend", "predict_block", "program",
+           "programs_with_train_step"]
 
 # Programs built in this process, by the id of the binding that made them (newest last).
 _PROGRAMS: collections.OrderedDict[str, Any] = collections.OrderedDict()
@@ -183,7 +184,7 @@ def _batches(data_iterator: Any, payloads: Any) -> list[Any]:
     if isinstance(payloads, int):
         return [next(data_iterator) for _ in range(payloads)]
     if hasattr(payloads, "convert"):  # batches drawn from a Dask collection's queue
-        return [payloads.convert(next(data_iterator)) for _ in range(payloads.count)]
+        return [payloads.convert(next(data_iterator)) for _ in range(payloads.batches)]
     source = next(data_iterator)
     return [source.batch(p) for p in payloads]
 
@@ -242,3 +243,14 @@ class PredictStep(_Step):
             out, _ = prog.predict_fn()((trainable, non_trainable), batch)
             outputs.append(keras.tree.map_structure(np.asarray, out))
         return outputs
+
+
+def predict_block(block: np.ndarray, blob: ModelBlob, trainable: list[Any], non_trainable: list[Any],
+                  batch_size: int) -> np.ndarray:
+    """One partition's predictions, on the trainer computing it, with the servers' weights (read once)."""
+    prog = program(blob)
+    values = read_values(list(trainable) + list(non_trainable))
+    state = (values[: len(trainable)], values[len(trainable):])
+    fn = prog.predict_fn()
+    parts = [np.asarray(fn(state, (block[i:i + batch_size],))[0]) for i in range(0, len(block), batch_size)]
+    return np.concatenate(parts) if parts else np.empty((0,), np.float32)
