@@ -10,6 +10,7 @@ numbers are Keras' too.
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import pathlib
 import re
@@ -442,7 +443,7 @@ def test_fit_after_the_scope_uses_the_strategy_the_model_was_built_in(client, st
 
 
 def test_a_trainer_on_another_backend_says_what_to_set():
-    from daskps.keras.program import check_backend
+    from daskps.keras.backend import check_backend
 
     with pytest.raises(RuntimeError, match="KERAS_BACKEND=torch"):
         check_backend("torch")
@@ -480,3 +481,61 @@ def test_both_example_scripts_train(script, tmp_path):
     accuracy = float(re.search(r"validation accuracy (\d\.\d+) after", done.stdout).group(1))
     assert accuracy > 0.85, done.stdout
     assert (tmp_path / "keras_example.keras").exists()  # ModelCheckpoint wrote the model
+
+
+# -- Keras' PyTorch backend: its own process (this one runs Keras on JAX) -----------------------------------
+
+TORCH_SCRIPT = '''
+import json, os, sys
+os.environ["KERAS_BACKEND"] = "torch"
+import keras, numpy as np
+import daskps as dps
+
+def classifier():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.BatchNormalization(), keras.layers.Dropout(0.3, seed=7),
+                              keras.layers.Dense(3)])  # seeded: Keras' torch Dropout otherwise uses torch's RNG
+    model.compile(optimizer=keras.optimizers.Adam(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    return model
+
+if __name__ == "__main__":
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 6)).astype("float32"); y = (x[:, 0] > 0).astype("int64")
+    reference = classifier()
+    want = reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, validation_data=(x[:50], y[:50]), verbose=0)
+    with dps.LocalPSCluster(num_ps=2, num_workers=1) as cluster:
+        strategy = dps.ParameterServerStrategy(cluster)
+        with strategy.scope():
+            model = classifier()
+        got = dps.keras.fit(model, x, y, batch_size=32, epochs=2, shuffle=False, validation_data=(x[:50], y[:50]),
+                            verbose=0)
+        evaluated = dps.keras.evaluate(model, x[:50], y[:50], verbose=0)
+        predicted = dps.keras.predict(model, x[:50], verbose=0)
+        strategy.close()
+    print("RESULT " + json.dumps({
+        "backend": keras.backend.backend(), "want": want.history, "got": got.history,
+        "weights": max(float(np.abs(np.asarray(a.numpy(), float) - np.asarray(b.numpy(), float)).max())
+                       for a, b in zip(reference.weights, model.weights)),
+        "evaluated": evaluated, "local_evaluate": model.evaluate(x[:50], y[:50], verbose=0),
+        "predicted": float(np.abs(predicted - model.predict(x[:50], verbose=0)).max())}))
+'''
+
+
+def test_the_pytorch_backend_trains_as_keras_fit_does(tmp_path):
+    pytest.importorskip("torch", reason="PyTorch is not installed (pip install 'daskps[torch]')")
+    script = tmp_path / "torch_fit.py"
+    script.write_text(TORCH_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=170,
+                          env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.split("RESULT ", 1)[1])
+    assert result["backend"] == "torch"
+    assert sorted(result["got"]) == sorted(result["want"]) == ["accuracy", "loss", "val_accuracy", "val_loss"]
+    for key, values in result["want"].items():
+        np.testing.assert_allclose(result["got"][key], values, rtol=RTOL, err_msg=key)
+    assert result["weights"] < 1e-4
+    np.testing.assert_allclose(result["evaluated"], result["local_evaluate"], rtol=1e-4)
+    assert result["predicted"] < 1e-5

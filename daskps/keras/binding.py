@@ -30,7 +30,7 @@ _BINDINGS: weakref.WeakKeyDictionary[Any, Binding] = weakref.WeakKeyDictionary()
 
 
 def _value(variable: Any) -> np.ndarray:
-    return np.asarray(variable.value)
+    return np.asarray(variable.numpy())  # any backend (a torch parameter refuses np.asarray)
 
 
 class Binding:

@@ -65,10 +65,10 @@ def check_model(model: Any, what: str) -> None:
         raise ValueError(f"model must be compiled before dps.keras.{what}: call model.compile(optimizer=..., "
                          "loss=..., metrics=...) first (inside strategy.scope() or not)")
     backend = keras.backend.backend()
-    if backend != "jax":
+    if backend not in ("jax", "torch"):
         raise ValueError(
-            f"dps.keras runs Keras' JAX backend; this process runs Keras on {backend!r}: set KERAS_BACKEND=jax "
-            "before Keras is first imported (and in the workers' environment)"
+            f"dps.keras runs Keras' JAX and PyTorch backends; this process runs Keras on {backend!r}: set "
+            "KERAS_BACKEND=jax (or torch) before Keras is first imported (and in the workers' environment)"
         )
     if not model.built:
         raise ValueError(f"model must be built before dps.keras.{what}: give it an Input, or call it on a batch "
@@ -87,7 +87,7 @@ class MetricsState:
     def __init__(self, model: Any):
         model.reset_metrics()
         self.model = model
-        self.state = [np.array(v.value) for v in model.metrics_variables]
+        self.state = [np.array(v.numpy()) for v in model.metrics_variables]
 
     def add(self, result: Any) -> None:
         delta = result.metrics
@@ -98,7 +98,7 @@ class MetricsState:
             x, y, _ = data_adapter_utils.unpack_x_y_sample_weight(result.sample)
             self.model._symbolic_build(data_batch=(x, y))
             self.model.reset_metrics()
-            self.state = [np.array(v.value) for v in self.model.metrics_variables]
+            self.state = [np.array(v.numpy()) for v in self.model.metrics_variables]
         if len(delta) != len(self.state):
             raise RuntimeError(f"a trainer's step gave {len(delta)} metric variables, the model has {len(self.state)}")
         for s, d in zip(self.state, delta):

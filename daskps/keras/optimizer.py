@@ -25,8 +25,11 @@ _IGNORED = {"ema_momentum", "ema_overwrite_frequency"}  # meaningful only with u
 
 def _keras_class(obj: Any, module: Any, names: list[str], what: str) -> str:
     """The name of ``obj``'s class if it is exactly one of ``module``'s ``names``, else a TypeError."""
-    name = type(obj).__name__
-    if name in names and type(obj) is getattr(module, name, None):
+    cls, name = type(obj), type(obj).__name__
+    keras_cls = getattr(module, name, None) if name in names else None
+    # Keras' own class, or the backend's version of it that Keras itself makes (torch's fused Adam, ...)
+    if keras_cls is not None and (cls is keras_cls or (cls.__module__.startswith("keras.src.backend.")
+                                                       and issubclass(cls, keras_cls))):
         return name
     raise TypeError(
         f"{what} of class {type(obj).__module__}.{type(obj).__qualname__} cannot run on the parameter servers: "

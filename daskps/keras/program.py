@@ -16,15 +16,14 @@ coordinator adds up in order.
 from __future__ import annotations
 
 import collections
-import os
 import pickle
-import sys
 import threading
 import warnings
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from daskps.keras.backend import check_backend
 from daskps.variables.variable import read_values
 
 __all__ = ["ModelBlob", "PredictStep", "StepResult", "TestStep", "TrainStep", "check_backend", "predict_block", "program",
@@ -62,25 +61,6 @@ def _sample(batch: Any) -> Any:
     import keras
 
     return keras.tree.map_structure(lambda a: None if a is None else np.asarray(a)[:2], batch)
-
-
-def check_backend(wanted: str) -> None:
-    """Make sure Keras runs on ``wanted`` in this process, or say what to set where."""
-    loaded = "keras" in sys.modules
-    env = os.environ.get("KERAS_BACKEND")
-    if not loaded and env in (None, wanted):
-        os.environ["KERAS_BACKEND"] = wanted  # Keras reads it at its first import, just below
-        env = wanted
-    import keras
-
-    have = keras.backend.backend()
-    if have != wanted:
-        where = f"KERAS_BACKEND={env!r}" if env else "KERAS_BACKEND is not set"
-        raise RuntimeError(
-            f"Keras runs on the {have!r} backend on this trainer ({where}), but the model was built on "
-            f"{wanted!r}: start the workers with KERAS_BACKEND={wanted} in their environment (a LocalPSCluster "
-            "made after setting it in os.environ inherits it)"
-        )
 
 
 class _Program:
@@ -149,6 +129,19 @@ class _Program:
             self._predict = self._jax.jit(self.model.predict_step)
         return self._predict
 
+    # -- what the steps call, the same for every backend ---------------------------------------
+    def train(self, trainable: list[Any], non_trainable: list[Any], batch: Any) -> tuple[list, list, list]:
+        """Gradients, the non-trainable variables' new values and the metrics' state after one batch."""
+        grads, new_non_trainable, metrics = self.train_fn()(trainable, non_trainable, self.metrics_start, batch)
+        return list(grads), list(new_non_trainable), list(metrics)
+
+    def test(self, trainable: list[Any], non_trainable: list[Any], batch: Any) -> list[Any]:
+        _, (_, _, metrics) = self.test_fn()((trainable, non_trainable, self.metrics_start), batch)
+        return list(metrics)
+
+    def predict(self, trainable: list[Any], non_trainable: list[Any], batch: Any) -> Any:
+        return self.predict_fn()((trainable, non_trainable), batch)[0]
+
 
 def programs_with_train_step() -> int:
     """How many programs in this process have compiled their training step (benchmarks warm up with it)."""
@@ -156,12 +149,17 @@ def programs_with_train_step() -> int:
         return sum(1 for p in _PROGRAMS.values() if p.has_train_step)
 
 
-def program(blob: ModelBlob) -> _Program:
+def program(blob: ModelBlob) -> Any:
     """This process's program for ``blob`` (built at its first use, then kept)."""
     with _PROGRAMS_LOCK:
         found = _PROGRAMS.get(blob.program_id)
         if found is None:
-            found = _PROGRAMS[blob.program_id] = _Program(blob)
+            if blob.backend == "torch":
+                from daskps.keras.torch_program import TorchProgram
+
+                found = _PROGRAMS[blob.program_id] = TorchProgram(blob)
+            else:
+                found = _PROGRAMS[blob.program_id] = _Program(blob)
             while len(_PROGRAMS) > MAX_PROGRAMS:
                 _PROGRAMS.popitem(last=False)
         return found
@@ -203,8 +201,8 @@ class TrainStep(_Step):
         for batch in batches:
             prog.build(batch)
             trainable, non_trainable = self.values()
-            grads, new_non_trainable, metrics = prog.train_fn()(trainable, non_trainable, prog.metrics_start, batch)
-            self.optimizer.apply(list(grads), self.trainable)
+            grads, new_non_trainable, metrics = prog.train(trainable, non_trainable, batch)
+            self.optimizer.apply(grads, self.trainable)
             for var, old, new in zip(self.non_trainable, non_trainable, new_non_trainable):
                 new = np.asarray(new)
                 if not np.array_equal(new, old):
@@ -224,7 +222,7 @@ class TestStep(_Step):
         batches = _batches(data_iterator, payloads)
         for batch in batches:
             prog.build(batch)
-            _, (_, _, metrics) = prog.test_fn()((trainable, non_trainable, prog.metrics_start), batch)
+            metrics = prog.test(trainable, non_trainable, batch)
             delta = [np.asarray(m) - s for m, s in zip(metrics, prog.metrics_start)]
             total = delta if total is None else [t + d for t, d in zip(total, delta)]
         return StepResult(_plain(total or []), None if prog.blob.metric_shapes or not batches else _sample(batches[0]))
@@ -240,7 +238,7 @@ class PredictStep(_Step):
         trainable, non_trainable = self.values()
         outputs = []
         for batch in _batches(data_iterator, payloads):
-            out, _ = prog.predict_fn()((trainable, non_trainable), batch)
+            out = prog.predict(trainable, non_trainable, batch)
             outputs.append(keras.tree.map_structure(np.asarray, out))
         return outputs
 
@@ -250,7 +248,6 @@ def predict_block(block: np.ndarray, blob: ModelBlob, trainable: list[Any], non_
     """One partition's predictions, on the trainer computing it, with the servers' weights (read once)."""
     prog = program(blob)
     values = read_values(list(trainable) + list(non_trainable))
-    state = (values[: len(trainable)], values[len(trainable):])
-    fn = prog.predict_fn()
-    parts = [np.asarray(fn(state, (block[i:i + batch_size],))[0]) for i in range(0, len(block), batch_size)]
+    weights = values[: len(trainable)], values[len(trainable):]
+    parts = [np.asarray(prog.predict(*weights, (block[i:i + batch_size],))) for i in range(0, len(block), batch_size)]
     return np.concatenate(parts) if parts else np.empty((0,), np.float32)

@@ -1,0 +1,27 @@
+"""Which Keras backend a trainer runs: set it before Keras' first import there, or say what to set."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+__all__ = ["check_backend"]
+
+
+def check_backend(wanted: str) -> None:
+    """Make sure Keras runs on ``wanted`` in this process, or say what to set where."""
+    loaded = "keras" in sys.modules
+    env = os.environ.get("KERAS_BACKEND")
+    if not loaded and env in (None, wanted):
+        os.environ["KERAS_BACKEND"] = wanted  # Keras reads it at its first import, just below
+        env = wanted
+    import keras
+
+    have = keras.backend.backend()
+    if have != wanted:
+        where = f"KERAS_BACKEND={env!r}" if env else "KERAS_BACKEND is not set"
+        raise RuntimeError(
+            f"Keras runs on the {have!r} backend on this trainer ({where}), but the model was built on "
+            f"{wanted!r}: start the workers with KERAS_BACKEND={wanted} in their environment (a LocalPSCluster "
+            "made after setting it in os.environ inherits it)"
+        )
