@@ -369,6 +369,35 @@ def test_predict_on_a_dask_collection_is_a_dask_array_computed_on_the_trainers(c
     assert where and where <= trainers
 
 
+def recommender(seed=5):
+    keras.utils.set_random_seed(seed)
+    ids = keras.Input((3,), dtype="int32")
+    pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(2000, 8)(ids))
+    model = keras.Model(ids, keras.layers.Dense(1)(pooled))
+    model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    return model
+
+
+def test_a_sharded_embedding_trains_row_wise_as_keras(client, one_trainer):
+    ids = np.random.default_rng(3).integers(0, 2000, size=(256, 3)).astype("int32")
+    target = (ids % 7 == 0).sum(axis=1, keepdims=True).astype("float32")
+    reference = recommender()
+    want = reference.fit(ids, target, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    sharded = dps.ParameterServerStrategy(client, variable_partitioner=dps.partitioners.FixedShardsPartitioner(2))
+    with sharded.scope():
+        model = recommender()
+    got = dps.keras.fit(model, ids, target, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    from daskps.keras.binding import binding_for
+
+    binding = binding_for(model, dps.ClusterCoordinator(sharded))
+    table = binding.trainable[0]
+    assert isinstance(table, dps.ShardedVariable) and len(table.variables) == 2 and table.shape == (2000, 8)
+    assert binding.train_step.row_wise == (0,)
+    assert_history_close(got, want)
+    assert_weights_close(model, reference)
+    sharded.close()
+
+
 # -- refusals: named arguments, nothing made on a server ---------------------------------------
 
 def _server_variables(strategy):

@@ -50,7 +50,7 @@ class Binding:
             self.non_trainable = [Variable(_value(v), trainable=False, name=v.path)
                                   for v in model.non_trainable_variables]
             self.optimizer = optimizer_class(**optimizer_config)
-        self.train_step = TrainStep(self.trainable, self.non_trainable, self.optimizer)
+        self.train_step = TrainStep(self.trainable, self.non_trainable, self.optimizer, _embedding_positions(model))
         self.test_step = TestStep(self.trainable, self.non_trainable)
         self.predict_step = PredictStep(self.trainable, self.non_trainable)
         self._model_iterator: Any = None
@@ -110,6 +110,23 @@ class Binding:
         if rate is not None and rate != self._lr:
             self.optimizer.learning_rate = rate
             self._lr = rate
+
+
+def _layers(layer: Any) -> list[Any]:
+    """``layer`` and every layer inside it (nested models included)."""
+    found = [layer]
+    for inner in getattr(layer, "layers", None) or []:
+        found.extend(_layers(inner))
+    return found
+
+
+def _embedding_positions(model: Any) -> tuple[int, ...]:
+    """Where the matrices of ``keras.layers.Embedding`` layers are among the model's trainable variables."""
+    import keras
+
+    tables = {id(layer.embeddings) for layer in _layers(model) if isinstance(layer, keras.layers.Embedding)
+              and getattr(layer, "embeddings", None) is not None}
+    return tuple(i for i, v in enumerate(model.trainable_variables) if id(v) in tables)
 
 
 def binding_for(model: Any, coordinator: ClusterCoordinator) -> Binding:

@@ -187,12 +187,29 @@ def _batches(data_iterator: Any, payloads: Any) -> list[Any]:
     return [source.batch(p) for p in payloads]
 
 
-class TrainStep(_Step):
-    """``steps_per_execution`` training steps on one trainer; returns the change of the metrics' state."""
+def _rows_of(grad: Any) -> Any:
+    """An embedding matrix's gradient as the rows it touches (Keras' dense gradient is zero elsewhere)."""
+    from daskps._core.slices import IndexedSlices
 
-    def __init__(self, trainable: list[Any], non_trainable: list[Any], optimizer: Any):
+    grad = np.asarray(grad)
+    rows = np.flatnonzero(np.any(grad != 0, axis=tuple(range(1, grad.ndim))))
+    return IndexedSlices(grad[rows], rows, dense_shape=grad.shape)
+
+
+class TrainStep(_Step):
+    """``steps_per_execution`` training steps on one trainer; returns the change of the metrics' state.
+
+    ``row_wise`` are the positions of embedding matrices among the trainable
+    variables: their gradients travel as the rows the batch touched
+    (``IndexedSlices``), not the whole matrix; the optimizer on the servers
+    applies them as Keras applies the dense gradient.
+    """
+
+    def __init__(self, trainable: list[Any], non_trainable: list[Any], optimizer: Any,
+                 row_wise: tuple[int, ...] = ()):
         super().__init__(trainable, non_trainable)
         self.optimizer = optimizer
+        self.row_wise = row_wise
 
     def __call__(self, model_iterator: Any, data_iterator: Any, payloads: Any) -> StepResult:
         prog = program(next(model_iterator))
@@ -202,6 +219,8 @@ class TrainStep(_Step):
             prog.build(batch)
             trainable, non_trainable = self.values()
             grads, new_non_trainable, metrics = prog.train(trainable, non_trainable, batch)
+            for i in self.row_wise:
+                grads[i] = _rows_of(grads[i])
             self.optimizer.apply(grads, self.trainable)
             for var, old, new in zip(self.non_trainable, non_trainable, new_non_trainable):
                 new = np.asarray(new)
