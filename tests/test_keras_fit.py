@@ -398,6 +398,50 @@ def test_a_sharded_embedding_trains_row_wise_as_keras(client, one_trainer):
     sharded.close()
 
 
+def ctr_model(table: bool, seed=11):
+    """Two id fields and a dense part; the ids' rows from a hash table on the servers, or Keras' Embedding."""
+    keras.utils.set_random_seed(seed)
+    ids = keras.Input((2,), dtype="int64", name="ids")
+    dense = keras.Input((4,), name="numeric")
+    if table:
+        rows = dps.keras.EmbeddingTable(4, name="rows")(ids)
+    else:
+        rows = keras.layers.Embedding(10_000, 4, embeddings_initializer="zeros", name="rows")(ids)
+    joined = keras.layers.Concatenate()([keras.layers.Flatten()(rows), dense])
+    model = keras.Model([ids, dense], keras.layers.Dense(1, activation="sigmoid")(
+        keras.layers.Dense(8, activation="relu")(joined)))
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss="binary_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def test_a_hash_table_layer_trains_as_a_keras_embedding_of_the_same_rows(strategy, coordinator, one_trainer):
+    rng = np.random.default_rng(4)
+    ids = rng.integers(0, 10_000, size=(400, 2)).astype("int64")
+    dense = rng.normal(size=(400, 4)).astype("float32")
+    label = ((ids[:, 0] % 3 == 0) ^ (dense[:, 0] > 0)).astype("float32")
+    reference = ctr_model(table=False)
+    want = reference.fit([ids, dense], label, batch_size=40, epochs=3, shuffle=False, verbose=0)
+    with strategy.scope():
+        model = ctr_model(table=True)
+    got = dps.keras.fit(model, [ids, dense], label, batch_size=40, epochs=3, shuffle=False, verbose=0,
+                        coordinator=coordinator)
+    assert_history_close(got, want)
+    layer = model.get_layer("rows")
+    table = layer.table
+    assert isinstance(table, dps.EmbeddingTable)
+    seen = np.unique(ids)
+    assert table.size() == len(seen)  # a row per id seen, nothing else: the table was never pulled whole
+    keys, rows = table.export()
+    order = np.argsort(keys)
+    np.testing.assert_allclose(rows[order], np.asarray(reference.get_layer("rows").embeddings)[np.sort(keys)],
+                               rtol=RTOL, atol=1e-6)
+    # in this process, the layer reads its rows from the servers: Keras' own predict and evaluate work
+    np.testing.assert_allclose(model.predict([ids, dense], verbose=0), reference.predict([ids, dense], verbose=0),
+                               rtol=RTOL, atol=1e-5)
+    np.testing.assert_allclose(dps.keras.evaluate(model, [ids, dense], label, verbose=0, coordinator=coordinator),
+                               reference.evaluate([ids, dense], label, verbose=0), rtol=1e-4)
+
+
 # -- refusals: named arguments, nothing made on a server ---------------------------------------
 
 def _server_variables(strategy):

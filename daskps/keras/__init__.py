@@ -27,7 +27,16 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["evaluate", "fit", "predict"]
+__all__ = ["EmbeddingTable", "evaluate", "fit", "predict"]
+
+
+def __getattr__(name: str) -> Any:
+    """``dps.keras.EmbeddingTable``, imported (with Keras) on first use."""
+    if name == "EmbeddingTable":
+        from daskps.keras.layers import EmbeddingTable
+
+        return EmbeddingTable
+    raise AttributeError(f"module 'daskps.keras' has no attribute {name!r}")
 
 
 def fit(model: Any, x: Any = None, y: Any = None, *, batch_size: int | None = None, epochs: int = 1,

@@ -49,10 +49,12 @@ class Binding:
             self.trainable = [Variable(_value(v), trainable=True, name=v.path) for v in model.trainable_variables]
             self.non_trainable = [Variable(_value(v), trainable=False, name=v.path)
                                   for v in model.non_trainable_variables]
+            self.tables = _make_tables(model)
             self.optimizer = optimizer_class(**optimizer_config)
-        self.train_step = TrainStep(self.trainable, self.non_trainable, self.optimizer, _embedding_positions(model))
-        self.test_step = TestStep(self.trainable, self.non_trainable)
-        self.predict_step = PredictStep(self.trainable, self.non_trainable)
+        self.train_step = TrainStep(self.trainable, self.non_trainable, self.optimizer, _embedding_positions(model),
+                                    tables=self.tables)
+        self.test_step = TestStep(self.trainable, self.non_trainable, tables=self.tables)
+        self.predict_step = PredictStep(self.trainable, self.non_trainable, tables=self.tables)
         self._model_iterator: Any = None
         self._blob: ModelBlob | None = None
         self._model_dataset: Any = None
@@ -64,7 +66,8 @@ class Binding:
         if self._blob is None:
             built = all(getattr(m, "built", True) for m in model.metrics)  # not before a first batch was seen
             shapes = tuple(tuple(v.shape) for v in model.metrics_variables) if built else ()
-            self._blob = ModelBlob(uuid.uuid4().hex, self.backend, pickle.dumps(model), shapes)
+            self._blob = ModelBlob(uuid.uuid4().hex, self.backend, pickle.dumps(model), shapes,
+                                   tuple(sorted(self.tables)))
         return self._blob
 
     def model_iterator(self, model: Any) -> Any:
@@ -118,6 +121,32 @@ def _layers(layer: Any) -> list[Any]:
     for inner in getattr(layer, "layers", None) or []:
         found.extend(_layers(inner))
     return found
+
+
+def _make_tables(model: Any) -> dict[str, Any]:
+    """A ``dps.EmbeddingTable`` on the servers for each ``dps.keras.EmbeddingTable`` layer, by layer name."""
+    layers = _table_layers(model)
+    if not layers:
+        return {}
+    import keras
+
+    from daskps.variables.hashed import EmbeddingTable
+
+    if keras.backend.backend() != "jax":
+        raise ValueError("dps.keras.EmbeddingTable layers train on Keras' JAX backend only, this model runs on "
+                         f"{keras.backend.backend()!r}")
+    tables = {}
+    for layer in layers:
+        tables[layer.name] = layer.table = EmbeddingTable(layer.dim, name=f"{model.name}/{layer.name}",
+                                                          **layer.table_kwargs())
+    return tables
+
+
+def _table_layers(model: Any) -> list[Any]:
+    import sys
+
+    module = sys.modules.get("daskps.keras.layers")  # imported by whoever made such a layer
+    return [] if module is None else module.table_layers(model)
 
 
 def _embedding_positions(model: Any) -> tuple[int, ...]:

@@ -22,6 +22,7 @@ import numpy as np
 from daskps.coordinator.coordinator import ClusterCoordinator
 from daskps.distribute import context
 from daskps.distribute.strategy import ParameterServerStrategy
+from daskps.keras.backend import shapes_only
 from daskps.keras.binding import Binding, binding_for
 from daskps.keras.data import Plan, Repeat, Step, as_source, is_dataset_fn, validation_parts
 
@@ -96,7 +97,8 @@ class MetricsState:
             from keras.src.trainers.data_adapters import data_adapter_utils
 
             x, y, _ = data_adapter_utils.unpack_x_y_sample_weight(result.sample)
-            self.model._symbolic_build(data_batch=(x, y))
+            with shapes_only():
+                self.model._symbolic_build(data_batch=(x, y))
             self.model.reset_metrics()
             self.state = [np.array(v.numpy()) for v in self.model.metrics_variables]
         if len(delta) != len(self.state):
@@ -215,7 +217,8 @@ def _first_batch_build(model: Any, plan: Plan) -> None:
         from keras.src.trainers.data_adapters import data_adapter_utils
 
         x, y, _ = data_adapter_utils.unpack_x_y_sample_weight(plan.first_batch())
-        model._symbolic_build(data_batch=(x, y))
+        with shapes_only():
+            model._symbolic_build(data_batch=(x, y))
 
 
 def _should_validate(epoch: int, validation_freq: Any) -> bool:
@@ -388,6 +391,7 @@ def _predict_dask(model: Any, x: Any, batch_size: int | None, coordinator: Clust
     binding.push(model)
     blob = dask.delayed(binding.model_blob(model), traverse=False)
     lazy = da.map_blocks(predict_block, x, blob, binding.trainable, binding.non_trainable, batch_size or 32,
+                         binding.tables,
                          dtype=np.dtype(out.dtype), chunks=(x.chunks[0],) + tuple((d,) for d in out.shape[1:]),
                          drop_axis=list(range(1, x.ndim)) if len(out.shape) < x.ndim else None,
                          new_axis=list(range(x.ndim, len(out.shape))) if len(out.shape) > x.ndim else None,

@@ -16,6 +16,7 @@ coordinator adds up in order.
 from __future__ import annotations
 
 import collections
+import contextlib
 import pickle
 import threading
 import warnings
@@ -23,7 +24,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from daskps.keras.backend import check_backend
+from daskps._core.slices import IndexedSlices
+from daskps.keras.backend import check_backend, shapes_only
 from daskps.variables.variable import read_values
 
 __all__ = ["ModelBlob", "PredictStep", "StepResult", "TestStep", "TrainStep", "check_backend", "predict_block", "program",
@@ -42,6 +44,7 @@ class ModelBlob(NamedTuple):
     backend: str
     model: bytes
     metric_shapes: tuple[tuple[int, ...], ...]
+    tables: tuple[str, ...] = ()  # the names of the model's EmbeddingTable layers
 
 
 class StepResult(NamedTuple):
@@ -70,6 +73,8 @@ class _Program:
         check_backend(blob.backend)
         import jax
 
+        if blob.tables:
+            import daskps.keras.layers  # noqa: F401  (registers the layer class before Keras rebuilds the model)
         with warnings.catch_warnings():  # Keras warns that the unbuilt optimizer's slots are not loaded: none are
             warnings.simplefilter("ignore", UserWarning)
             self.model = pickle.loads(blob.model)
@@ -80,6 +85,7 @@ class _Program:
         self._train: Any = None
         self._test: Any = None
         self._predict: Any = None
+        self._ids: Any = None
 
     def build(self, batch: Any) -> None:
         """Build the compiled metrics (Keras makes them at the first batch) and check they match the coordinator's."""
@@ -88,7 +94,8 @@ class _Program:
         from keras.src.trainers.data_adapters import data_adapter_utils
 
         x, y, _ = data_adapter_utils.unpack_x_y_sample_weight(batch)
-        self.model._symbolic_build(data_batch=(x, y))  # Keras' own build of metrics and optimizer
+        with shapes_only():
+            self.model._symbolic_build(data_batch=(x, y))  # Keras' own build of metrics and optimizer
         shapes = tuple(tuple(v.shape) for v in self.model.metrics_variables)
         if self.blob.metric_shapes and shapes != self.blob.metric_shapes:
             raise RuntimeError(f"the model rebuilt on this trainer has metric variables of shapes {shapes}, "
@@ -105,42 +112,90 @@ class _Program:
             model, jax = self.model, self._jax
             optimizer_values = [v.value for v in model.optimizer.variables]
 
-            def step(trainable: Any, non_trainable: Any, metrics: Any, data: Any) -> Any:
+            def step(trainable: Any, rows: Any, non_trainable: Any, metrics: Any, data: Any) -> Any:
                 from keras.src.trainers.data_adapters import data_adapter_utils
 
                 x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-                grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
-                (_, aux), grads = grad_fn(trainable, non_trainable, metrics, x, y, sample_weight, training=True,
-                                          optimizer_variables=optimizer_values)
-                unscaled, y_pred, non_trainable, metrics = aux
-                _, metrics = model._update_metrics_variables(metrics, unscaled, x, y, y_pred, sample_weight)
-                return grads, non_trainable, metrics
+
+                def loss(trainable: Any, rows: Any) -> Any:
+                    with _rows(rows):
+                        return model.compute_loss_and_updates(trainable, non_trainable, metrics, x, y, sample_weight,
+                                                              training=True, optimizer_variables=optimizer_values)
+
+                (_, aux), (grads, row_grads) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(trainable, rows)
+                unscaled, y_pred, new_non_trainable, new_metrics = aux
+                _, new_metrics = model._update_metrics_variables(new_metrics, unscaled, x, y, y_pred, sample_weight)
+                return grads, row_grads, new_non_trainable, new_metrics
 
             self._train = jax.jit(step)
         return self._train
 
     def test_fn(self) -> Any:
         if self._test is None:
-            self._test = self._jax.jit(self.model.test_step)  # stateless on JAX: Keras' own
+            def step(state: Any, data: Any, rows: Any) -> Any:
+                with _rows(rows):
+                    return self.model.test_step(state, data)  # stateless on JAX: Keras' own
+
+            self._test = self._jax.jit(step)
         return self._test
 
     def predict_fn(self) -> Any:
         if self._predict is None:
-            self._predict = self._jax.jit(self.model.predict_step)
+            def step(state: Any, data: Any, rows: Any) -> Any:
+                with _rows(rows):
+                    return self.model.predict_step(state, data)
+
+            self._predict = self._jax.jit(step)
         return self._predict
 
-    # -- what the steps call, the same for every backend ---------------------------------------
-    def train(self, trainable: list[Any], non_trainable: list[Any], batch: Any) -> tuple[list, list, list]:
-        """Gradients, the non-trainable variables' new values and the metrics' state after one batch."""
-        grads, new_non_trainable, metrics = self.train_fn()(trainable, non_trainable, self.metrics_start, batch)
-        return list(grads), list(new_non_trainable), list(metrics)
+    def table_ids(self, batch: Any) -> dict[str, np.ndarray]:
+        """The ids each ``EmbeddingTable`` layer sees for ``batch`` (none without such layers)."""
+        if not self.blob.tables:
+            return {}
+        if self._ids is None:
+            from daskps.keras.layers import recording_ids
 
-    def test(self, trainable: list[Any], non_trainable: list[Any], batch: Any) -> list[Any]:
-        _, (_, _, metrics) = self.test_fn()((trainable, non_trainable, self.metrics_start), batch)
+            model, jax = self.model, self._jax
+            own = ([v.value for v in model.trainable_variables], [v.value for v in model.non_trainable_variables])
+
+            def record(x: Any) -> Any:
+                found: dict[str, Any] = {}
+                with recording_ids(found):
+                    model.stateless_call(*own, x)
+                return found
+
+            self._ids = jax.jit(record)
+        from keras.src.trainers.data_adapters import data_adapter_utils
+
+        x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(batch)
+        return {k: np.asarray(v).astype(np.int64) for k, v in self._ids(x).items()}
+
+    # -- what the steps call, the same for every backend ---------------------------------------
+    def train(self, trainable: list[Any], non_trainable: list[Any], batch: Any,
+              rows: dict[str, Any] | None = None) -> tuple[list, dict, list, list]:
+        """Gradients (of the variables, and of the tables' rows), the non-trainable variables' new values and
+        the metrics' state after one batch."""
+        grads, row_grads, new_non_trainable, metrics = self.train_fn()(trainable, rows or {}, non_trainable,
+                                                                       self.metrics_start, batch)
+        return list(grads), dict(row_grads), list(new_non_trainable), list(metrics)
+
+    def test(self, trainable: list[Any], non_trainable: list[Any], batch: Any,
+             rows: dict[str, Any] | None = None) -> list[Any]:
+        _, (_, _, metrics) = self.test_fn()((trainable, non_trainable, self.metrics_start), batch, rows or {})
         return list(metrics)
 
-    def predict(self, trainable: list[Any], non_trainable: list[Any], batch: Any) -> Any:
-        return self.predict_fn()((trainable, non_trainable), batch)[0]
+    def predict(self, trainable: list[Any], non_trainable: list[Any], batch: Any,
+                rows: dict[str, Any] | None = None) -> Any:
+        return self.predict_fn()((trainable, non_trainable), batch, rows or {})[0]
+
+
+def _rows(rows: dict[str, Any]) -> Any:
+    """The tables' rows as the layers' outputs while Keras' step is traced (nothing to do without tables)."""
+    if not rows:
+        return contextlib.nullcontext()
+    from daskps.keras.layers import using_rows
+
+    return using_rows(rows)
 
 
 def programs_with_train_step() -> int:
@@ -166,15 +221,20 @@ def program(blob: ModelBlob) -> Any:
 
 
 class _Step:
-    """Fields every kind of step carries: the model's variables on the servers (small handles)."""
+    """Fields every kind of step carries: the model's variables and hash tables on the servers (small handles)."""
 
-    def __init__(self, trainable: list[Any], non_trainable: list[Any]):
+    def __init__(self, trainable: list[Any], non_trainable: list[Any], tables: dict[str, Any] | None = None):
         self.trainable = list(trainable)
         self.non_trainable = list(non_trainable)
+        self.tables = dict(tables or {})
 
-    def values(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        values = read_values(self.trainable + self.non_trainable)  # one round trip per server
-        return values[: len(self.trainable)], values[len(self.trainable):]
+    def values(self, ids: dict[str, np.ndarray] | None = None) -> tuple[list[np.ndarray], list[np.ndarray], dict]:
+        """The variables' values and the tables' rows for ``ids``, in one round trip per server."""
+        names = sorted(ids or {})
+        assert ids is not None or not names
+        values = read_values(self.trainable + self.non_trainable + [(self.tables[n], ids[n]) for n in names])  # type: ignore[index]
+        k, m = len(self.trainable), len(self.trainable) + len(self.non_trainable)
+        return values[:k], values[k:m], dict(zip(names, values[m:]))
 
 
 def _batches(data_iterator: Any, payloads: Any) -> list[Any]:
@@ -189,8 +249,6 @@ def _batches(data_iterator: Any, payloads: Any) -> list[Any]:
 
 def _rows_of(grad: Any) -> Any:
     """An embedding matrix's gradient as the rows it touches (Keras' dense gradient is zero elsewhere)."""
-    from daskps._core.slices import IndexedSlices
-
     grad = np.asarray(grad)
     rows = np.flatnonzero(np.any(grad != 0, axis=tuple(range(1, grad.ndim))))
     return IndexedSlices(grad[rows], rows, dense_shape=grad.shape)
@@ -206,8 +264,8 @@ class TrainStep(_Step):
     """
 
     def __init__(self, trainable: list[Any], non_trainable: list[Any], optimizer: Any,
-                 row_wise: tuple[int, ...] = ()):
-        super().__init__(trainable, non_trainable)
+                 row_wise: tuple[int, ...] = (), tables: dict[str, Any] | None = None):
+        super().__init__(trainable, non_trainable, tables)
         self.optimizer = optimizer
         self.row_wise = row_wise
 
@@ -217,11 +275,15 @@ class TrainStep(_Step):
         batches = _batches(data_iterator, payloads)
         for batch in batches:
             prog.build(batch)
-            trainable, non_trainable = self.values()
-            grads, new_non_trainable, metrics = prog.train(trainable, non_trainable, batch)
+            ids = prog.table_ids(batch)
+            trainable, non_trainable, rows = self.values(ids)
+            grads, row_grads, new_non_trainable, metrics = prog.train(trainable, non_trainable, batch, rows)
             for i in self.row_wise:
                 grads[i] = _rows_of(grads[i])
-            self.optimizer.apply(grads, self.trainable)
+            names = sorted(row_grads)
+            table_grads = [IndexedSlices(np.asarray(row_grads[n]).reshape(-1, rows[n].shape[-1]), ids[n].ravel())
+                           for n in names]
+            self.optimizer.apply(grads + table_grads, self.trainable + [self.tables[n] for n in names])
             for var, old, new in zip(self.non_trainable, non_trainable, new_non_trainable):
                 new = np.asarray(new)
                 if not np.array_equal(new, old):
@@ -236,12 +298,15 @@ class TestStep(_Step):
 
     def __call__(self, model_iterator: Any, data_iterator: Any, payloads: Any) -> StepResult:
         prog = program(next(model_iterator))
-        trainable, non_trainable = self.values()  # evaluation changes no weights: one read serves every batch
         total: list[np.ndarray] | None = None
         batches = _batches(data_iterator, payloads)
+        weights = None
         for batch in batches:
             prog.build(batch)
-            metrics = prog.test(trainable, non_trainable, batch)
+            ids = prog.table_ids(batch)
+            if weights is None or ids:  # evaluation changes no weights: one read serves every batch, rows aside
+                weights = self.values(ids)
+            metrics = prog.test(weights[0], weights[1], batch, weights[2])
             delta = [np.asarray(m) - s for m, s in zip(metrics, prog.metrics_start)]
             total = delta if total is None else [t + d for t, d in zip(total, delta)]
         return StepResult(_plain(total or []), None if prog.blob.metric_shapes or not batches else _sample(batches[0]))
@@ -254,19 +319,28 @@ class PredictStep(_Step):
         import keras
 
         prog = program(next(model_iterator))
-        trainable, non_trainable = self.values()
         outputs = []
+        weights = None
         for batch in _batches(data_iterator, payloads):
-            out = prog.predict(trainable, non_trainable, batch)
+            ids = prog.table_ids(batch)
+            if weights is None or ids:
+                weights = self.values(ids)
+            out = prog.predict(weights[0], weights[1], batch, weights[2])
             outputs.append(keras.tree.map_structure(np.asarray, out))
         return outputs
 
 
 def predict_block(block: np.ndarray, blob: ModelBlob, trainable: list[Any], non_trainable: list[Any],
-                  batch_size: int) -> np.ndarray:
+                  batch_size: int, tables: dict[str, Any] | None = None) -> np.ndarray:
     """One partition's predictions, on the trainer computing it, with the servers' weights (read once)."""
     prog = program(blob)
-    values = read_values(list(trainable) + list(non_trainable))
-    weights = values[: len(trainable)], values[len(trainable):]
-    parts = [np.asarray(prog.predict(*weights, (block[i:i + batch_size],))) for i in range(0, len(block), batch_size)]
+    step = _Step(trainable, non_trainable, tables)
+    weights = None
+    parts = []
+    for i in range(0, len(block), batch_size):
+        batch = (block[i:i + batch_size],)
+        ids = prog.table_ids(batch)
+        if weights is None or ids:
+            weights = step.values(ids)
+        parts.append(np.asarray(prog.predict(weights[0], weights[1], batch, weights[2])))
     return np.concatenate(parts) if parts else np.empty((0,), np.float32)

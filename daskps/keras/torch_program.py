@@ -78,16 +78,21 @@ class TorchProgram:
 
         return keras.tree.map_structure(lambda a: None if a is None else keras.ops.convert_to_tensor(a), batch)
 
-    def train(self, trainable: list[Any], non_trainable: list[Any], batch: Any) -> tuple[list, list, list]:
+    def table_ids(self, batch: Any) -> dict[str, np.ndarray]:
+        return {}  # EmbeddingTable layers are refused on this backend when the model is bound
+
+    def train(self, trainable: list[Any], non_trainable: list[Any], batch: Any,
+              rows: dict[str, Any] | None = None) -> tuple[list, dict, list, list]:
         self._load(trainable, non_trainable)
         self.model.reset_metrics()
         self.model.train_step(self._tensors(batch))  # Keras' own step; the gradients land in self.keep
         self.has_train_step = True
         grads = [None if g is None else g.detach().cpu().numpy() for g in self.keep.gradients]
-        return (grads, [_numpy(v.value) for v in self.model.non_trainable_variables],
+        return (grads, {}, [_numpy(v.value) for v in self.model.non_trainable_variables],
                 [_numpy(v.value) for v in self.model.metrics_variables])
 
-    def test(self, trainable: list[Any], non_trainable: list[Any], batch: Any) -> list[Any]:
+    def test(self, trainable: list[Any], non_trainable: list[Any], batch: Any,
+             rows: dict[str, Any] | None = None) -> list[Any]:
         import torch
 
         self._load(trainable, non_trainable)
@@ -96,7 +101,8 @@ class TorchProgram:
             self.model.test_step(self._tensors(batch))
         return [_numpy(v.value) for v in self.model.metrics_variables]
 
-    def predict(self, trainable: list[Any], non_trainable: list[Any], batch: Any) -> Any:
+    def predict(self, trainable: list[Any], non_trainable: list[Any], batch: Any,
+                rows: dict[str, Any] | None = None) -> Any:
         import keras
         import torch
 

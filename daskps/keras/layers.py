@@ -1,0 +1,146 @@
+"""``dps.keras.EmbeddingTable``: a hash embedding table on the parameter servers, as a Keras layer.
+
+The layer holds no weights in the model: its rows are a
+:class:`daskps.EmbeddingTable` on the servers (any int64 key, rows made on
+first sight, eviction and capacity as that class has them), made when the
+model is first trained on a strategy. In a ``dps.keras`` step the trainer
+first works out the ids each such layer sees (a jitted pass that XLA prunes
+to what the ids depend on), reads their rows in the same round trip as the
+model's variables, runs Keras' step with those rows as the layer's output,
+and sends the rows' gradients back as ``IndexedSlices``: the table is never
+pulled whole. Called outside a step (``model.predict`` in your process), the
+layer reads the rows from the servers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Any
+
+import keras
+import numpy as np
+
+__all__ = ["EmbeddingTable", "no_lookups", "recording_ids", "table_layers", "using_rows"]
+
+_ROWS: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("daskps_keras_rows", default=None)
+_IDS: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("daskps_keras_ids", default=None)
+
+
+@contextlib.contextmanager
+def using_rows(rows: dict[str, Any]) -> Iterator[None]:
+    """Inside: each ``EmbeddingTable`` layer returns the rows given for it by name (traced in a step)."""
+    token = _ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
+
+
+@contextlib.contextmanager
+def recording_ids(found: dict[str, Any]) -> Iterator[None]:
+    """Inside: each ``EmbeddingTable`` layer puts the ids it is called with in ``found`` and returns zeros."""
+    token = _IDS.set(found)
+    try:
+        yield
+    finally:
+        _IDS.reset(token)
+
+
+def no_lookups() -> Any:
+    """Inside: the layers return zeros and read nothing (Keras' build, which only needs shapes)."""
+    return recording_ids({})
+
+
+@keras.saving.register_keras_serializable(package="daskps")
+class EmbeddingTable(keras.layers.Layer):
+    """Rows of a :class:`daskps.EmbeddingTable` for integer ids: output shape ``ids.shape + (dim,)``.
+
+    Parameters
+    ----------
+    dim : int
+        Row width.
+    initializer : callable(shape, dtype), optional
+        How a new row is made on its server (zeros by default); pickled to
+        the servers, so a module-level function or a numpy-only callable.
+    admit_after, evict_after_steps, capacity
+        As :class:`daskps.EmbeddingTable`.
+
+    Examples
+    --------
+    >>> ids = keras.Input((3,), dtype="int64")                       # doctest: +SKIP
+    >>> rows = dps.keras.EmbeddingTable(16)(ids)                      # doctest: +SKIP
+    """
+
+    def __init__(self, dim: int, *, initializer: Any = None, admit_after: int = 1,
+                 evict_after_steps: int | None = None, capacity: int | None = None, **kwargs: Any):
+        super().__init__(**kwargs)
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"dim must be a positive integer, got {dim!r}")
+        self.dim = dim
+        self.initializer = initializer
+        self.admit_after = admit_after
+        self.evict_after_steps = evict_after_steps
+        self.capacity = capacity
+        self.table: Any = None  # the dps.EmbeddingTable, once the model is bound to a strategy
+
+    def table_kwargs(self) -> dict[str, Any]:
+        return dict(initializer=self.initializer, admit_after=self.admit_after,
+                    evict_after_steps=self.evict_after_steps, capacity=self.capacity)
+
+    def compute_output_shape(self, input_shape: Any) -> tuple[Any, ...]:
+        return tuple(input_shape) + (self.dim,)
+
+    def compute_output_spec(self, ids: Any) -> Any:
+        return keras.KerasTensor(tuple(ids.shape) + (self.dim,), dtype=self.compute_dtype)
+
+    def call(self, ids: Any) -> Any:
+        rows = _ROWS.get()
+        if rows is not None and self.name in rows:
+            return rows[self.name]
+        found = _IDS.get()
+        if found is not None:
+            found[self.name] = ids
+            return keras.ops.zeros(tuple(ids.shape) + (self.dim,), dtype=self.compute_dtype)
+        return self._lookup(ids)
+
+    def _lookup(self, ids: Any) -> Any:
+        """The rows from the servers, outside a ``dps.keras`` step (``model.predict`` in this process)."""
+        if self.table is None:
+            raise RuntimeError(f"EmbeddingTable layer {self.name!r} has no rows yet: its table is made on the "
+                               "parameter servers by the model's first dps.keras.fit, evaluate or predict")
+        from daskps.variables.embedding import embedding_lookup
+
+        table, dtype = self.table, np.dtype(self.compute_dtype)
+
+        def read(i: Any) -> np.ndarray:
+            return np.asarray(embedding_lookup(table, np.asarray(i).astype(np.int64)), dtype)
+
+        if keras.backend.backend() == "jax":
+            import jax
+
+            shape = jax.ShapeDtypeStruct(tuple(ids.shape) + (self.dim,), dtype)
+            return jax.pure_callback(read, shape, ids)
+        return keras.ops.convert_to_tensor(read(keras.ops.convert_to_numpy(ids)))
+
+    def get_config(self) -> dict[str, Any]:
+        config = super().get_config()
+        # The initializer stays with the table on the servers: copies of the model never make rows.
+        config.update(dim=self.dim, admit_after=self.admit_after, evict_after_steps=self.evict_after_steps,
+                      capacity=self.capacity)
+        return config
+
+
+def table_layers(model: Any) -> list[EmbeddingTable]:
+    """The model's ``EmbeddingTable`` layers, nested models included, in a stable order."""
+    found: list[EmbeddingTable] = []
+
+    def walk(layer: Any) -> None:
+        if isinstance(layer, EmbeddingTable):
+            found.append(layer)
+        for inner in getattr(layer, "layers", None) or []:
+            walk(inner)
+
+    walk(model)
+    return found
