@@ -7,7 +7,7 @@ import importlib.util
 import sys
 
 from daskps.coordinator.summary import TENSORBOARD_MISSING
-from daskps.demo import INPUTS, JAX_MISSING, MODELS, DemoConfig, run_demo
+from daskps.demo import INPUTS, JAX_MISSING, KERAS_MISSING, MODELS, DemoConfig, run_demo
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--kill-ps", type=int, default=None, metavar="EPOCH",
                       help="SIGKILL parameter server ps-0 part-way through this epoch, to watch it be recovered")
     demo.add_argument("--model", choices=MODELS, default=defaults.model,
-                      help="gradients by hand in numpy (the default) or from a jitted jax.value_and_grad")
+                      help="gradients by hand in numpy (the default), from a jitted jax.value_and_grad, or the "
+                           "same model written in Keras and trained with dps.keras.fit")
     demo.add_argument("--input", choices=INPUTS, default=defaults.input,
                       help="batches from a generator on each trainer (the default), or from Dask Arrays read "
                            "where their partitions live (dps.data.from_dask)")
@@ -36,6 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.model == "jax" and importlib.util.find_spec("jax") is None:
         demo.error(JAX_MISSING)
+    if args.model == "keras" and (importlib.util.find_spec("keras") is None or importlib.util.find_spec("jax") is None):
+        demo.error(KERAS_MISSING)
+    if args.model == "keras" and args.kill_ps is not None:
+        demo.error("--kill-ps works with --model numpy or jax (a lost server is restored from their checkpoints "
+                   "while training goes on); --model keras resumes between runs instead")
     if args.logdir is not None:
         try:
             import tensorboardX  # noqa: F401

@@ -22,6 +22,12 @@ repeating; the default is a generator on each trainer.
 ``model="jax"`` trains the same model with gradients from a jitted
 ``jax.value_and_grad`` of its log-loss instead of the numpy ones written
 out by hand (JAX is optional: ``pip install ".[jax]"`` in the checkout).
+
+``model="keras"`` writes the same model as a compiled Keras 3 model (an
+``Embedding`` sharded over the servers and updated row by row, a dense part,
+Adam) and trains it with ``dps.keras.fit``; Keras' ``BackupAndRestore`` keeps
+its progress in the checkpoint directory, so a rerun with more epochs goes on
+from the last one (``pip install ".[keras]"``).
 """
 
 from __future__ import annotations
@@ -40,9 +46,11 @@ VOCAB = 20_000
 NUM_FIELDS = 4
 EMBED_DIM = 4
 NUM_DENSE = 8
-MODELS = ("numpy", "jax")
+MODELS = ("numpy", "jax", "keras")
 INPUTS = ("generator", "dask")
 DASK_ROWS, DASK_CHUNK = 100_000, 10_000
+KERAS_MISSING = ('the demo\'s Keras model needs Keras 3 and JAX, which are not installed: pip install ".[keras]" '
+                 "in the daskps checkout")
 JAX_MISSING = ('the demo\'s JAX model needs JAX, which is not installed: pip install ".[jax]" in the '
                "daskps checkout (or pip install jax)")
 
@@ -180,12 +188,22 @@ def run_demo(config: DemoConfig = DemoConfig(), cluster=None, log=print) -> dict
         raise ValueError(f"model must be one of {', '.join(map(repr, MODELS))}, got {config.model!r}")
     if config.input not in INPUTS:
         raise ValueError(f"input must be one of {', '.join(map(repr, INPUTS))}, got {config.input!r}")
-    step_maths = jax_loss_and_gradients() if config.model == "jax" else loss_and_gradients  # before any cluster
+    if config.model == "keras" and config.kill_ps_at_epoch is not None:
+        raise ValueError("kill_ps_at_epoch works with the numpy and jax models, whose checkpoints restore a lost "
+                         "server while training goes on; the keras model resumes between runs instead")
+    if config.model == "keras":
+        os.environ.setdefault("KERAS_BACKEND", "jax")  # before Keras is imported, here and in the workers
+    else:
+        step_maths = jax_loss_and_gradients() if config.model == "jax" else loss_and_gradients  # before any cluster
     own = cluster is None
     if own:
         log(f"starting a LocalPSCluster: {config.num_ps} ps, {config.num_workers} workers")
         cluster = dps.LocalPSCluster(num_ps=config.num_ps, num_workers=config.num_workers)
     try:
+        if config.model == "keras":
+            from daskps.demo_keras import train_keras
+
+            return train_keras(config, cluster, log)
         return _train(config, cluster, log, step_maths)
     finally:
         if own:

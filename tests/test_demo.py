@@ -40,6 +40,25 @@ def test_demo_learns_with_jax_gradients(cluster, tmp_path):
     assert result["auc"] > 0.75 and result["auc"] <= result["teacher_auc"] + 0.01
 
 
+@pytest.mark.skipif(importlib.util.find_spec("keras") is None, reason="Keras is not installed")
+def test_demo_keras_model_learns_and_resumes_with_its_optimizer_state(cluster, tmp_path):
+    """`daskps demo --model keras`: the CTR model in Keras through dps.keras.fit; a rerun goes on."""
+    directory = str(tmp_path / "ckpts")
+    lines = []
+    first = run_demo(DemoConfig(epochs=2, steps_per_epoch=60, model="keras", checkpoint_dir=directory),
+                     cluster=cluster, log=lines.append)
+    assert first["epochs_trained"] == 2 and first["steps"] == 2 * 60
+    assert first["log_loss"] < first["start_log_loss"] - 0.1
+    assert first["auc"] > 0.75 and first["auc"] <= first["teacher_auc"] + 0.01
+    again = run_demo(DemoConfig(epochs=3, steps_per_epoch=60, model="keras", checkpoint_dir=directory),
+                     cluster=cluster, log=lines.append)
+    assert again["epochs_trained"] == 1
+    assert abs(again["start_log_loss"] - first["log_loss"]) < 1e-6  # the backup's weights, before training
+    assert again["steps"] == first["steps"] + 60  # the servers' optimizer came back with its step count
+    assert any("resumed from" in line for line in lines)
+    assert any("epoch  3/3" in line for line in lines) and not any("epoch  1/3" in line for line in lines)
+
+
 def test_demo_learns_from_dask_arrays(cluster, tmp_path):
     """`daskps demo --input dask`: the teacher's examples as Dask Arrays, fed through dps.data.from_dask."""
     lines = []

@@ -369,6 +369,38 @@ def test_predict_on_a_dask_collection_is_a_dask_array_computed_on_the_trainers(c
     assert where and where <= trainers
 
 
+def test_backup_and_restore_resumes_on_new_servers_with_the_optimizer_state(client, strategy, coordinator,
+                                                                           one_trainer, tmp_path):
+    reference = classifier()
+    want = reference.fit(X, Y, batch_size=50, epochs=4, shuffle=False, verbose=0)
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                raise KeyboardInterrupt  # the job dies after its second epoch's backup
+
+    backup = str(tmp_path / "backup")
+    with strategy.scope():
+        model = classifier()
+    with pytest.raises(KeyboardInterrupt):
+        dps.keras.fit(model, X, Y, batch_size=50, epochs=4, shuffle=False, verbose=0, coordinator=coordinator,
+                      callbacks=[keras.callbacks.BackupAndRestore(backup), Interrupt()])
+    assert (tmp_path / "backup" / "daskps").exists()
+    strategy.close()  # the first servers are gone
+    again = dps.ParameterServerStrategy(client)
+    with again.scope():
+        fresh = classifier(seed=99)  # other initial weights: the backup must replace them
+    got = dps.keras.fit(fresh, X, Y, batch_size=50, epochs=4, shuffle=False, verbose=0,
+                        coordinator=dps.ClusterCoordinator(again), callbacks=[keras.callbacks.BackupAndRestore(backup)])
+    assert got.epoch == [2, 3]
+    # Adam's moments came back too: the last two epochs and the weights are those of an uninterrupted fit
+    np.testing.assert_allclose(got.history["loss"], want.history["loss"][2:], rtol=RTOL)
+    assert_weights_close(fresh, reference)
+    assert int(fresh.optimizer.iterations.numpy()) == 24
+    assert not (tmp_path / "backup").exists()  # deleted at the end, as Keras deletes its own
+    again.close()
+
+
 def recommender(seed=5):
     keras.utils.set_random_seed(seed)
     ids = keras.Input((3,), dtype="int32")

@@ -101,6 +101,14 @@ class Binding:
             var.assign(value)
         model.optimizer.iterations.assign(values[-1])
 
+    # -- what BackupAndRestore keeps: the servers' side of the model ----------------------------
+    def checkpoint(self) -> Any:
+        """A ``dps.Checkpoint`` of everything the servers hold for the model: variables, tables, optimizer."""
+        from daskps.training.checkpoint import Checkpoint
+
+        return Checkpoint(trainable=list(self.trainable), non_trainable=list(self.non_trainable),
+                          tables=dict(self.tables), optimizer=self.optimizer)
+
     # -- the learning rate, which callbacks set on the local optimizer ---------------------
     def _local_rate(self) -> float | None:
         if uses_schedule(self.keras_optimizer):

@@ -232,6 +232,67 @@ def _need_y(model: Any) -> bool:
     return model.loss is not None
 
 
+class _Backups:
+    """Keras' ``BackupAndRestore`` keeps the local model; this keeps the servers' side beside it.
+
+    At each epoch's end, before the callbacks run (one of them may stop the
+    job before or after Keras writes its backup), a daskps checkpoint of the
+    servers' variables, tables and optimizer slots goes to
+    ``<backup_dir>/daskps/epoch-<next epoch>``, the name Keras' backup gives
+    the epoch to resume at (the two latest are kept). A ``fit`` that starts
+    with a Keras backup, on this cluster or a new one, restores the matching
+    checkpoint on the servers, so training goes on with the optimizer's
+    state as it was, not only with the weights.
+    """
+
+    KEEP = 2
+
+    def __init__(self, callbacks: Any, binding: Binding):
+        import keras
+
+        self.binding = binding
+        self.found = [c for c in callbacks.callbacks if isinstance(c, keras.callbacks.BackupAndRestore)]
+
+    def _dir(self, callback: Any) -> str:
+        return callback.backup_dir.rstrip("/") + "/daskps"
+
+    def restore(self, epoch: int) -> bool:
+        """Restore the servers as they were when Keras' backup said to resume at ``epoch``; whether one did."""
+        import fsspec
+
+        for callback in self.found:
+            path = f"{self._dir(callback)}/epoch-{epoch}"
+            fs, local = fsspec.url_to_fs(path)
+            if epoch > 0 and fs.exists(local):
+                self.binding.checkpoint().read(path)
+                self.binding.fresh = False
+                return True
+        return False
+
+    def save(self, next_epoch: int) -> None:
+        import fsspec
+
+        for callback in self.found:
+            if callback.save_freq != "epoch":
+                continue
+            self.binding.checkpoint().write(f"{self._dir(callback)}/epoch-{next_epoch}")
+            fs, local = fsspec.url_to_fs(self._dir(callback))
+            names = sorted((p.rsplit("/", 1)[-1] for p in fs.ls(local, detail=False)),
+                           key=lambda n: int(n.split("-")[-1]) if n.split("-")[-1].isdigit() else -1)
+            for old in names[:-self.KEEP]:
+                fs.rm(f"{local}/{old}", recursive=True)
+
+    def finish(self) -> None:
+        """Keras deletes its backup when training ends (``delete_checkpoint=True``): this one goes with it."""
+        import fsspec
+
+        for callback in self.found:
+            if callback.delete_checkpoint:
+                fs, local = fsspec.url_to_fs(self._dir(callback))
+                if fs.exists(local):
+                    fs.rm(local, recursive=True)
+
+
 def _train_epoch(binding: Binding, model: Any, train: Plan, cb: Any, iterators: tuple[Any, Any],
                  wanted: tuple[bool, bool], staleness: int | None) -> MetricsState:
     """One epoch's steps on the trainers, batch hooks and all; the metrics' state they added up."""
@@ -279,9 +340,11 @@ def fit(model: Any, x: Any = None, y: Any = None, *, batch_size: int | None = No
         callbacks, add_history=True, add_progbar=verbose != 0, verbose=verbose, epochs=epochs,
         steps=train.num_batches, model=model)
     model.stop_training = False
+    backups = _Backups(cb, binding)
     cb.on_train_begin()
     initial_epoch = model._initial_epoch or initial_epoch  # BackupAndRestore sets it in on_train_begin
-    binding.push(model)  # a callback may have set the weights (BackupAndRestore), or the user since the last call
+    if not backups.restore(initial_epoch):
+        binding.push(model)  # the user may have set the weights since the last call
     binding.sync_learning_rate()
     model_iterator = binding.model_iterator(model)
     every, bar = _batch_logs_wanted(cb, "on_train_batch_end")
@@ -296,12 +359,14 @@ def fit(model: Any, x: Any = None, y: Any = None, *, batch_size: int | None = No
             assert val_data is not None
             val_logs = _run_test(binding, model, val, cb, val_data[1], staleness)
             logs.update({f"val_{k}": v for k, v in val_logs.items()})
+        backups.save(epoch + 1)  # before the callbacks: one may stop the job once Keras' backup is written
         cb.on_epoch_end(epoch, logs)
         binding.sync_learning_rate()  # ReduceLROnPlateau sets it in on_epoch_end
         if model.stop_training:
             break
     binding.pull(model)
     cb.on_train_end(logs)
+    backups.finish()
     del train_data, val_data  # the per-worker copies of the data are released on the trainers
     return model.history
 
