@@ -18,7 +18,18 @@ from typing import Any
 import numpy as np
 
 import daskps as dps
-from daskps.demo import EMBED_DIM, NUM_DENSE, NUM_FIELDS, VOCAB, _sigmoid, auc, log_loss, make_batches, sample, teacher
+from daskps.demo import (
+    EMBED_DIM,
+    NUM_DENSE,
+    NUM_FIELDS,
+    VOCAB,
+    _sigmoid,
+    auc,
+    log_loss,
+    make_batches,
+    sample,
+    teacher,
+)
 
 __all__ = ["keras_model", "train_keras"]
 
