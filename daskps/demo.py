@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -122,6 +123,9 @@ def _sigmoid(z):
     return 1.0 / (1.0 + np.exp(-np.clip(z, -30, 30)))
 
 
+sigmoid = _sigmoid  # for the Keras demo (daskps.demo_keras), which is handed this module
+
+
 def forward(rows, u, w, b, ids, x):
     """Click probabilities; ``rows`` are the embedding rows of ``ids`` (shape ids.shape + (dim,))."""
     return _sigmoid(rows.sum(axis=1) @ u + x @ w + b)
@@ -203,7 +207,7 @@ def run_demo(config: DemoConfig = DemoConfig(), cluster=None, log=print) -> dict
         if config.model == "keras":
             from daskps.demo_keras import train_keras
 
-            return train_keras(config, cluster, log)
+            return train_keras(config, cluster, log, sys.modules[__name__])
         return _train(config, cluster, log, step_maths)
     finally:
         if own:

@@ -18,30 +18,18 @@ from typing import Any
 import numpy as np
 
 import daskps as dps
-from daskps.demo import (
-    EMBED_DIM,
-    NUM_DENSE,
-    NUM_FIELDS,
-    VOCAB,
-    _sigmoid,
-    auc,
-    log_loss,
-    make_batches,
-    sample,
-    teacher,
-)
 
 __all__ = ["keras_model", "train_keras"]
 
 
-def keras_model(learning_rate: float, seed: int) -> Any:
+def keras_model(learning_rate: float, seed: int, demo: Any) -> Any:
     """The student: logits = pooled embeddings @ u + x @ w + b, as Keras layers."""
     import keras
 
     keras.utils.set_random_seed(seed)
-    ids = keras.Input((NUM_FIELDS,), dtype="int32", name="ids")
-    x = keras.Input((NUM_DENSE,), name="features")
-    rows = keras.layers.Embedding(VOCAB, EMBED_DIM, name="table",
+    ids = keras.Input((demo.NUM_FIELDS,), dtype="int32", name="ids")
+    x = keras.Input((demo.NUM_DENSE,), name="features")
+    rows = keras.layers.Embedding(demo.VOCAB, demo.EMBED_DIM, name="table",
                                   embeddings_initializer=keras.initializers.RandomNormal(0.0, 0.01))(ids)
     pooled = keras.layers.GlobalAveragePooling1D(name="pool")(rows)
     logits = keras.layers.Add(name="logits")([keras.layers.Dense(1, use_bias=False, name="u")(pooled),
@@ -52,7 +40,7 @@ def keras_model(learning_rate: float, seed: int) -> Any:
     return model
 
 
-def _dataset_fn(seed: int, batch: int):
+def _dataset_fn(seed: int, batch: int, make_batches: Any):
     def dataset_fn(ctx):
         for ids, x, y in make_batches(seed, ctx.input_pipeline_id, batch, stream=int(time.time())):
             yield (ids.astype(np.int32), x), y
@@ -60,8 +48,11 @@ def _dataset_fn(seed: int, batch: int):
     return dataset_fn
 
 
-def train_keras(config: Any, cluster: Any, log: Any) -> dict:
-    """Train the Keras student on ``cluster``; the same result dict as the numpy and JAX demo."""
+def train_keras(config: Any, cluster: Any, log: Any, demo: Any) -> dict:
+    """Train the Keras student on ``cluster``; the same result dict as the numpy and JAX demo.
+
+    ``demo`` is :mod:`daskps.demo`, handed in (it imports this module): the teacher, data and measures.
+    """
     import keras
 
     client = cluster.get_client()
@@ -69,15 +60,15 @@ def train_keras(config: Any, cluster: Any, log: Any) -> dict:
     partitioner = dps.partitioners.MinSizePartitioner(min_shard_bytes=64 << 10, max_shards=config.num_ps)
     strategy = dps.ParameterServerStrategy(client, variable_partitioner=partitioner)
     with strategy.scope():
-        model = keras_model(config.learning_rate, config.seed)
-    truth = teacher(config.seed)
-    ids_t, x_t, y_t = sample(np.random.default_rng([config.seed, 999]), 20_000, truth)
-    p_best = _sigmoid(truth["table"][ids_t].sum(axis=1) @ truth["u"] + x_t @ truth["w"] + truth["b"])
-    best = {"log_loss": log_loss(p_best, y_t), "auc": auc(p_best, y_t)}
+        model = keras_model(config.learning_rate, config.seed, demo)
+    truth = demo.teacher(config.seed)
+    ids_t, x_t, y_t = demo.sample(np.random.default_rng([config.seed, 999]), 20_000, truth)
+    p_best = demo.sigmoid(truth["table"][ids_t].sum(axis=1) @ truth["u"] + x_t @ truth["w"] + truth["b"])
+    best = {"log_loss": demo.log_loss(p_best, y_t), "auc": demo.auc(p_best, y_t)}
 
     def evaluate() -> dict:
         p = model.predict([ids_t.astype(np.int32), x_t], batch_size=4096, verbose=0)[:, 0]
-        return {"log_loss": log_loss(p, y_t), "auc": auc(p, y_t)}
+        return {"log_loss": demo.log_loss(p, y_t), "auc": demo.auc(p, y_t)}
 
     directory = os.path.abspath(config.checkpoint_dir) if "://" not in config.checkpoint_dir else config.checkpoint_dir
     backup = keras.callbacks.BackupAndRestore(os.path.join(directory, "keras-backup"), delete_checkpoint=False)
@@ -103,7 +94,7 @@ def train_keras(config: Any, cluster: Any, log: Any) -> dict:
     log(f"keras model {model.name!r}: embedding table {tuple(table.shape)}, Adam on the servers; "
         f"fresh: test log-loss {first['log_loss']:.4f} (teacher {best['log_loss']:.4f})")
     started = time.perf_counter()
-    dps.keras.fit(model, _dataset_fn(config.seed, config.batch_size), epochs=config.epochs,
+    dps.keras.fit(model, _dataset_fn(config.seed, config.batch_size, demo.make_batches), epochs=config.epochs,
                   steps_per_epoch=config.steps_per_epoch, steps_per_execution=config.steps_per_call, verbose=0,
                   callbacks=[backup, Report()])
     metrics = history[-1] if history else first

@@ -87,7 +87,7 @@ def test_demo_without_jax_names_the_extra(monkeypatch, capsys):
 
 
 def test_demo_rejects_an_unknown_model():
-    with pytest.raises(ValueError, match="model must be one of 'numpy', 'jax', got 'torch'"):
+    with pytest.raises(ValueError, match="model must be one of 'numpy', 'jax', 'keras', got 'torch'"):
         run_demo(DemoConfig(model="torch"))
 
 

@@ -262,6 +262,47 @@ def test_learning_rate_callbacks_reach_the_servers(strategy, coordinator, one_tr
     assert got.history["learning_rate"] == pytest.approx([0.05, 0.005])
 
 
+def test_keras_own_logging_and_stopping_callbacks_work_unchanged(strategy, coordinator, one_trainer, tmp_path,
+                                                                    capsys):
+    from tests.test_summary import read_scalars
+
+    def callbacks(where):
+        return [keras.callbacks.CSVLogger(str(where / "log.csv")),
+                keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=10.0)]
+
+    (tmp_path / "keras").mkdir()
+    (tmp_path / "ours").mkdir()
+    reference = classifier()
+    want = reference.fit(X, Y, batch_size=50, epochs=3, shuffle=False, validation_data=(XV, YV), verbose=0,
+                         callbacks=callbacks(tmp_path / "keras"))
+    with strategy.scope():
+        model = classifier()
+    got = dps.keras.fit(model, X, Y, batch_size=50, epochs=3, shuffle=False, validation_data=(XV, YV), verbose=1,
+                        coordinator=coordinator,
+                        callbacks=callbacks(tmp_path / "ours") + [dps.keras.TensorBoard(str(tmp_path / "tb"))])
+    assert_history_close(got, want)  # ReduceLROnPlateau halved the rate each epoch, on the servers too
+    assert got.history["learning_rate"][-1] == pytest.approx(got.history["learning_rate"][0] / 2)
+    ours = (tmp_path / "ours" / "log.csv").read_text().splitlines()
+    theirs = (tmp_path / "keras" / "log.csv").read_text().splitlines()
+    assert ours[0] == theirs[0] and len(ours) == len(theirs) == 4
+    for a, b in zip(ours[1:], theirs[1:]):
+        np.testing.assert_allclose([float(v) for v in a.split(",")], [float(v) for v in b.split(",")], rtol=RTOL)
+    out = capsys.readouterr().out
+    assert "Epoch 3/3" in out and "6/6" in out and "val_accuracy" in out  # Keras' own progress bar
+    train, val = read_scalars(tmp_path / "tb" / "train"), read_scalars(tmp_path / "tb" / "validation")
+    assert [s for s, _ in train["epoch_loss"]] == [0, 1, 2]
+    np.testing.assert_allclose([v for _, v in train["epoch_loss"]], want.history["loss"], rtol=RTOL)
+    np.testing.assert_allclose([v for _, v in val["epoch_accuracy"]], want.history["val_accuracy"], rtol=RTOL)
+
+
+def test_terminate_on_nan_stops_the_first_epoch(strategy, coordinator):
+    with strategy.scope():
+        model = classifier(keras.optimizers.SGD(1e30))
+    history = dps.keras.fit(model, X * 1e10, Y, batch_size=10, epochs=4, verbose=0, coordinator=coordinator,
+                            callbacks=[keras.callbacks.TerminateOnNaN()])
+    assert history.epoch == [0] and not np.isfinite(history.history["loss"][0])
+
+
 def test_the_trained_model_saves_and_predicts_locally(strategy, coordinator, tmp_path):
     with strategy.scope():
         model = classifier()

@@ -27,15 +27,19 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["EmbeddingTable", "evaluate", "fit", "predict"]
+__all__ = ["EmbeddingTable", "TensorBoard", "evaluate", "fit", "predict"]
 
 
 def __getattr__(name: str) -> Any:
-    """``dps.keras.EmbeddingTable``, imported (with Keras) on first use."""
+    """``dps.keras.EmbeddingTable`` and ``dps.keras.TensorBoard``, imported (with Keras) on first use."""
     if name == "EmbeddingTable":
         from daskps.keras.layers import EmbeddingTable
 
         return EmbeddingTable
+    if name == "TensorBoard":
+        from daskps.keras.tensorboard import TensorBoard
+
+        return TensorBoard
     raise AttributeError(f"module 'daskps.keras' has no attribute {name!r}")
 
 

@@ -436,6 +436,7 @@ def _predict_dask(model: Any, x: Any, batch_size: int | None, coordinator: Clust
     import dask
     import dask.array as da
     import keras
+    from dask.graph_manipulation import clone
 
     from daskps.keras.program import predict_block
 
@@ -443,6 +444,9 @@ def _predict_dask(model: Any, x: Any, batch_size: int | None, coordinator: Clust
         x = x.to_dask_array(lengths=True)
     if not isinstance(x, da.Array):
         raise TypeError(f"x must be a dask Array or DataFrame (or numpy arrays), got {type(x).__name__}")
+    # Keys of its own: a fit that read the same collection may be releasing its copy of x's partitions
+    # (the same keys) just now, and the scheduler would cancel these blocks for "lost dependencies".
+    x = clone(x, assume_layers=False)
     if x.ndim < 2 or any(len(c) != 1 for c in x.chunks[1:]):
         raise ValueError("x must be a dask Array of rows, chunked along its first axis only "
                          f"(use x.rechunk({{1: -1}})), got chunks {x.chunks}")
