@@ -303,6 +303,66 @@ def test_terminate_on_nan_stops_the_first_epoch(strategy, coordinator):
     assert history.epoch == [0] and not np.isfinite(history.history["loss"][0])
 
 
+def test_an_error_mid_epoch_leaves_the_trained_weights_in_the_model(strategy, coordinator):
+    class Boom(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 5:
+                raise RuntimeError("boom")
+
+    with strategy.scope():
+        model = classifier()
+    with pytest.raises(RuntimeError, match="boom"):
+        dps.keras.fit(model, X, Y, batch_size=10, epochs=3, verbose=0, coordinator=coordinator, callbacks=[Boom()])
+    trained = int(model.optimizer.iterations.numpy())
+    assert trained >= 6  # the steps that ran are in the local model, not the weights from before fit
+    from daskps.keras.binding import binding_for
+
+    servers = dps.read_values(binding_for(model, coordinator).trainable)
+    for local, remote in zip(model.trainable_variables, servers):
+        np.testing.assert_array_equal(np.asarray(local.value), remote)
+    dps.keras.fit(model, X, Y, batch_size=10, epochs=1, verbose=0, coordinator=coordinator)
+    assert int(model.optimizer.iterations.numpy()) == trained + 30  # the next fit went on from them
+
+
+def test_steps_per_epoch_goes_on_through_the_data_as_keras(strategy, coordinator, one_trainer):
+    reference = classifier(keras.optimizers.SGD(0.1))
+    want = reference.fit(X, Y, steps_per_epoch=4, epochs=4, shuffle=False, verbose=0)  # batch_size from the steps
+    with strategy.scope():
+        model = classifier(keras.optimizers.SGD(0.1))
+    got = dps.keras.fit(model, X, Y, steps_per_epoch=4, epochs=4, shuffle=False, verbose=0, coordinator=coordinator)
+    assert_history_close(got, want)
+    assert_weights_close(model, reference)
+    assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy())
+
+
+def test_a_recompiled_model_trains_with_its_new_loss(strategy, coordinator, one_trainer):
+    optimizer = keras.optimizers.SGD(0.05)
+    reference = classifier(optimizer)
+    reference.fit(X, Y, batch_size=50, epochs=1, shuffle=False, verbose=0)
+    reference.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=2),
+                      metrics=["accuracy"])
+    want = reference.fit(X, Y, batch_size=50, epochs=1, shuffle=False, verbose=0)
+    with strategy.scope():
+        model = classifier(keras.optimizers.SGD(0.05))
+    dps.keras.fit(model, X, Y, batch_size=50, epochs=1, shuffle=False, verbose=0, coordinator=coordinator)
+    model.compile(optimizer=model.optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=2),
+                  metrics=["accuracy"])
+    got = dps.keras.fit(model, X, Y, batch_size=50, epochs=1, shuffle=False, verbose=0, coordinator=coordinator)
+    assert_history_close(got, want)
+
+
+def test_a_model_with_its_own_train_step_is_refused_on_jax(strategy, coordinator):
+    class Custom(keras.Sequential):
+        def train_step(self, state, data):
+            raise AssertionError("not run")
+
+    keras.utils.set_random_seed(0)
+    model = Custom([keras.Input((6,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="overrides train_step"):
+        dps.keras.fit(model, X, X[:, :1], verbose=0, coordinator=coordinator)
+
+
 def test_the_trained_model_saves_and_predicts_locally(strategy, coordinator, tmp_path):
     with strategy.scope():
         model = classifier()
@@ -525,10 +585,16 @@ class MySGD(keras.optimizers.SGD):
     pass
 
 
+def _excluding(optimizer):
+    optimizer.exclude_from_weight_decay(var_names=["bias"])
+    return optimizer
+
+
 @pytest.mark.parametrize("bad, match", [
     (lambda m: m.compile(optimizer=MySGD(0.1), loss="mse"), "MySGD"),
     (lambda m: m.compile(optimizer=keras.optimizers.Adafactor(), loss="mse"), "Adafactor"),
     (lambda m: m.compile(optimizer=keras.optimizers.Adam(use_ema=True), loss="mse"), "use_ema"),
+    (lambda m: m.compile(optimizer=_excluding(keras.optimizers.AdamW()), loss="mse"), "exclude_from_weight_decay"),
 ])
 def test_an_optimizer_the_servers_cannot_run_is_refused_before_anything_is_made(strategy, coordinator, bad, match):
     keras.utils.set_random_seed(0)

@@ -114,6 +114,8 @@ PRIVATE_READS_ALLOWED: list[tuple[str, str, str]] = [
     ("daskps.keras.program", "_update_metrics_variables", "the JAX trainer's stateless metric update"),
     ("daskps.keras.loop", "_initial_epoch", "BackupAndRestore's resume epoch, set in on_train_begin"),
     ("daskps.keras.loop", "_flatten_metrics_in_order", "evaluate's list of results, in Keras' order"),
+    ("daskps.keras.optimizer", "_exclude_from_weight_decay", "what exclude_from_weight_decay set (refused)"),
+    ("daskps.keras.optimizer", "_exclude_from_weight_decay_pattern", "the same, by name"),
 ]
 NAMEDTUPLE_API = {"_replace", "_fields", "_asdict", "_make"}  # public, despite the underscore
 

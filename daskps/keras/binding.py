@@ -43,6 +43,7 @@ class Binding:
         self.strategy = coordinator.strategy
         self.backend = keras.backend.backend()
         self.keras_optimizer = model.optimizer
+        self.compiled_as = _compile_key(model)
         # Checked before anything is made on a server: a refused optimizer leaves nothing behind.
         optimizer_class, optimizer_config = keras_config(model.optimizer)
         with self.strategy.scope():
@@ -79,16 +80,18 @@ class Binding:
 
     def matches(self, model: Any, coordinator: ClusterCoordinator) -> bool:
         return (coordinator is self.coordinator and not self.strategy.closed
-                and model.optimizer is self.keras_optimizer
+                and model.optimizer is self.keras_optimizer and _compile_key(model) == self.compiled_as
                 and len(model.trainable_variables) == len(self.trainable)
                 and len(model.non_trainable_variables) == len(self.non_trainable))
 
     # -- weights between the model and the servers -----------------------------------
-    def push(self, model: Any) -> None:
-        """Write the local model's weights to the servers (skipped right after they were made from them)."""
-        if self.fresh:
+    def push(self, model: Any, force: bool = False) -> None:
+        """Write the local model's weights to the servers (skipped right after they were made from them,
+        unless ``force``: a callback may have changed them since)."""
+        if self.fresh and not force:
             self.fresh = False
             return
+        self.fresh = False
         for var, local in zip(self.trainable + self.non_trainable,
                               list(model.trainable_variables) + list(model.non_trainable_variables)):
             var.assign(_value(local))
@@ -121,6 +124,14 @@ class Binding:
         if rate is not None and rate != self._lr:
             self.optimizer.learning_rate = rate
             self._lr = rate
+
+
+def _compile_key(model: Any) -> str:
+    """What ``compile`` was given (loss, metrics, weights...): a recompile makes a new binding."""
+    try:
+        return repr(model.get_compile_config())
+    except Exception:  # a loss or metric Keras cannot serialize: the objects themselves
+        return repr((id(model.loss), id(getattr(model, "compiled_metrics", None))))
 
 
 def _layers(layer: Any) -> list[Any]:

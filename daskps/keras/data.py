@@ -111,6 +111,7 @@ class Plan:
         self.shuffle = shuffle
         self.steps_per_execution = steps_per_execution
         self.steps_cap = steps_per_epoch
+        self.left: list[Any] = []  # with steps_per_epoch, the batches of the current pass not trained yet
         if num_rows is None:
             self.num_batches = steps_per_epoch
         else:
@@ -156,18 +157,27 @@ class Plan:
                     for b in range(0, self.num_batches, k)]
         if not self.is_arrays:
             return [Step(b, b + k - 1, min(k, self.num_batches - b)) for b in range(0, self.num_batches, k)]
+        if self.steps_cap is not None:
+            # As Keras: an epoch of steps_per_epoch batches goes on from where the last one stopped; one
+            # that reaches the end of the data ends there, and the next starts a new pass.
+            if not self.left:
+                self.left = self._pass()
+            rows, self.left = self.left[: self.num_batches], self.left[self.num_batches:]
+        else:
+            rows = self._pass()[: self.num_batches]
+        # Keras names an execution by its first batch and first + steps_per_execution - 1, the last one too
+        return [Step(b, b + k - 1, rows[b:b + k]) for b in range(0, len(rows), k)]
+
+    def _pass(self) -> list[Any]:
+        """The row selections of one pass over the arrays, shuffled as asked."""
         n, bs = self.num_rows, self.batch_size
         assert n is not None and bs is not None
         if self.shuffle is True:
             order = np.random.permutation(n)  # numpy's global generator: keras.utils.set_random_seed seeds it
-            rows: list[Any] = [order[i * bs:(i + 1) * bs] for i in range(self.num_batches)]
-        else:
-            batches = list(range(math.ceil(n / bs)))
-            if self.shuffle == "batch":
-                np.random.shuffle(batches)
-            rows = [slice(i * bs, min((i + 1) * bs, n)) for i in batches[: self.num_batches]]
-        # Keras names an execution by its first batch and first + steps_per_execution - 1, the last one too
-        return [Step(b, b + k - 1, rows[b:b + k]) for b in range(0, len(rows), k)]
+            return [order[i:i + bs] for i in range(0, n, bs)]
+        if self.shuffle == "batch":  # as Keras: the batches in order, the rows within each shuffled
+            return [i + np.random.permutation(min(bs, n - i)) for i in range(0, n, bs)]
+        return [slice(i, min(i + bs, n)) for i in range(0, n, bs)]
 
 
 def _dataset_fn(x: Any) -> bool:
@@ -209,9 +219,8 @@ def as_source(x: Any, y: Any, sample_weight: Any, class_weight: Any, batch_size:
         return Plan(x, None, None, int(steps), steps_per_execution, False)
     if x is None:
         raise ValueError(f"{what} must be given: numpy arrays (or dicts of them) or a per-worker dataset_fn")
-    if batch_size is None:
-        batch_size = 32
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
+                                   or batch_size < 1):
         raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
     if need_y and y is None:
         raise ValueError(f"y must be given with {what} as arrays: the model was compiled with a loss that "
@@ -236,7 +245,10 @@ def as_source(x: Any, y: Any, sample_weight: Any, class_weight: Any, batch_size:
     if len(sizes) != 1:
         detail = ", ".join(f"{a}: {sorted(s)}" for a, s in lengths.items())
         raise ValueError(f"every array of {what} must have the same number of rows, got {detail}")
-    return Plan(ArrayData(x, y, sample_weight, class_weight), sizes.pop(), int(batch_size),
+    rows = sizes.pop()
+    if batch_size is None:  # as Keras: with a number of steps, batches that cover the rows in that many
+        batch_size = 32 if steps is None else max(1, math.ceil(rows / steps))
+    return Plan(ArrayData(x, y, sample_weight, class_weight), rows, int(batch_size),
                 None if steps is None else int(steps),
                 steps_per_execution, shuffle)
 

@@ -71,6 +71,14 @@ def check_model(model: Any, what: str) -> None:
             f"dps.keras runs Keras' JAX and PyTorch backends; this process runs Keras on {backend!r}: set "
             "KERAS_BACKEND=jax (or torch) before Keras is first imported (and in the workers' environment)"
         )
+    overridden = [name for name in ("train_step", "test_step") if backend == "jax"
+                  and getattr(type(model), name) is not getattr(keras.Model, name)]
+    if overridden and what != "predict":
+        raise ValueError(
+            f"model overrides {overridden[0]}: on Keras' JAX backend dps.keras runs Keras' own step (split so that "
+            "the servers apply the gradients) and would ignore it; use the PyTorch backend, or dps.ClusterCoordinator"
+            " with a step of your own"
+        )
     if not model.built:
         raise ValueError(f"model must be built before dps.keras.{what}: give it an Input, or call it on a batch "
                          "(its variables are what the parameter servers hold)")
@@ -138,7 +146,8 @@ def run_steps(coordinator: ClusterCoordinator, fn: Any, steps: list[Step], args:
 
     ``stop()`` true after a step's ``on_end`` stops scheduling; the steps
     already scheduled still run and are taken (their updates are on the
-    servers). An error cancels what is left and is raised.
+    servers). An error waits for the steps already scheduled (a step's own
+    error cancels the rest), then is raised; an interrupt cancels them.
     """
     window = max(2, STEPS_AHEAD_PER_TRAINER * max(1, len(coordinator.strategy.trainer_names)))
     pending: deque[tuple[Step, Any]] = deque()
@@ -157,8 +166,13 @@ def run_steps(coordinator: ClusterCoordinator, fn: Any, steps: list[Step], args:
             step, value = pending.popleft()
             take(value.fetch())
             on_end(step.end, None)
-    except BaseException:
-        coordinator.cancel()
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt):  # stop now: what is queued never starts
+            coordinator.cancel()
+        else:  # let the steps already scheduled finish, so that the servers are still when the error is raised
+            for _, value in pending:
+                with contextlib.suppress(Exception):
+                    value.fetch()
         with contextlib.suppress(Exception):
             coordinator.join()  # the first error was raised here: the coordinator must not raise it again
         raise
@@ -331,8 +345,28 @@ def fit(model: Any, x: Any = None, y: Any = None, *, batch_size: int | None = No
         val = as_source(vx, vy, vsw, None, None if is_dataset_fn(vx) else batch_size, validation_steps,
                         steps_per_execution, False, what="validation_data", steps_arg="validation_steps",
                         need_y=_need_y(model))
+    if callbacks is not None and not isinstance(callbacks, (list, tuple, keras.callbacks.CallbackList)):
+        raise TypeError(f"callbacks must be a list of keras.callbacks.Callback, got {type(callbacks).__name__}")
     _first_batch_build(model, train)
     binding = binding_for(model, coordinator)  # the variables and optimizer on the servers
+    finished = False
+    try:
+        history = _fit(model, binding, train, val, callbacks, verbose, epochs, initial_epoch, validation_freq,
+                       staleness)
+        finished = True
+        return history
+    finally:
+        if not finished:  # an error or an interrupt: the local model gets what the servers trained so far
+            with contextlib.suppress(Exception):
+                binding.pull(model)
+
+
+def _fit(model: Any, binding: Binding, train: Plan, val: Plan | None, callbacks: Any, verbose: Any, epochs: int,
+         initial_epoch: int, validation_freq: Any, staleness: int | None) -> Any:
+    """Keras' epoch loop, once the inputs are checked and the model's state is on the servers."""
+    import keras
+
+    coordinator = binding.coordinator
     _, train_iterator = train_data = _iterator(coordinator, train, epochs - initial_epoch)
     val_passes = sum(_should_validate(e, validation_freq) for e in range(initial_epoch, epochs))
     val_data = _iterator(coordinator, val, val_passes) if val is not None else None
@@ -344,7 +378,7 @@ def fit(model: Any, x: Any = None, y: Any = None, *, batch_size: int | None = No
     cb.on_train_begin()
     initial_epoch = model._initial_epoch or initial_epoch  # BackupAndRestore sets it in on_train_begin
     if not backups.restore(initial_epoch):
-        binding.push(model)  # the user may have set the weights since the last call
+        binding.push(model, force=True)  # set since the last call, or in on_train_begin (a Keras-only backup)
     binding.sync_learning_rate()
     model_iterator = binding.model_iterator(model)
     every, bar = _batch_logs_wanted(cb, "on_train_batch_end")
@@ -460,7 +494,7 @@ def _predict_dask(model: Any, x: Any, batch_size: int | None, coordinator: Clust
     binding.push(model)
     blob = dask.delayed(binding.model_blob(model), traverse=False)
     lazy = da.map_blocks(predict_block, x, blob, binding.trainable, binding.non_trainable, batch_size or 32,
-                         binding.tables,
+                         binding.tables, np.empty((0,) + tuple(out.shape[1:]), np.dtype(out.dtype)),
                          dtype=np.dtype(out.dtype), chunks=(x.chunks[0],) + tuple((d,) for d in out.shape[1:]),
                          drop_axis=list(range(1, x.ndim)) if len(out.shape) < x.ndim else None,
                          new_axis=list(range(x.ndim, len(out.shape))) if len(out.shape) > x.ndim else None,

@@ -72,6 +72,14 @@ def keras_config(optimizer: Any) -> tuple[type[Optimizer], dict[str, Any]]:
     import keras
 
     cls_name = _keras_class(optimizer, keras.optimizers, sorted(builtin_optimizers.__all__), "the optimizer")
+    try:  # set only once exclude_from_weight_decay is called
+        excluded = optimizer._exclude_from_weight_decay or optimizer._exclude_from_weight_decay_pattern
+    except AttributeError:
+        excluded = None
+    if excluded:
+        raise ValueError("the model's optimizer excludes variables from weight decay (exclude_from_weight_decay), "
+                         "which dps.keras does not carry to the servers yet; compile without it, or with "
+                         "weight_decay=None")
     config = dict(optimizer.get_config())
     for option, off in _UNSUPPORTED.items():
         value = config.pop(option, off)

@@ -331,7 +331,8 @@ class PredictStep(_Step):
 
 
 def predict_block(block: np.ndarray, blob: ModelBlob, trainable: list[Any], non_trainable: list[Any],
-                  batch_size: int, tables: dict[str, Any] | None = None) -> np.ndarray:
+                  batch_size: int, tables: dict[str, Any] | None = None,
+                  empty: np.ndarray | None = None) -> np.ndarray:
     """One partition's predictions, on the trainer computing it, with the servers' weights (read once)."""
     prog = program(blob)
     step = _Step(trainable, non_trainable, tables)
@@ -343,4 +344,4 @@ def predict_block(block: np.ndarray, blob: ModelBlob, trainable: list[Any], non_
         if weights is None or ids:
             weights = step.values(ids)
         parts.append(np.asarray(prog.predict(weights[0], weights[1], batch, weights[2])))
-    return np.concatenate(parts) if parts else np.empty((0,), np.float32)
+    return np.concatenate(parts) if parts else (empty if empty is not None else np.empty((0,), np.float32))

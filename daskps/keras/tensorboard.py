@@ -47,7 +47,10 @@ class TensorBoard(keras.callbacks.Callback):
         return self._writers[part]
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
-        for name, value in (logs or {}).items():
+        logs = dict(logs or {})
+        if "learning_rate" not in logs and self.model is not None and self.model.optimizer is not None:
+            logs["learning_rate"] = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+        for name, value in logs.items():
             part, tag = ("validation", name[4:]) if name.startswith("val_") else ("train", name)
             self._writer(part).add_scalar(f"epoch_{tag}", float(value), epoch)
         for writer in self._writers.values():
