@@ -623,6 +623,8 @@ def test_bad_input_is_refused_with_the_argument_named(strategy, coordinator):
         (dict(x=X, y=Y, shuffle="yes"), ValueError, "shuffle"),
         (dict(x=X, y=Y, validation_freq=0), ValueError, "validation_freq"),
         (dict(x="data.csv", y=Y), TypeError, "numpy arrays"),
+        (dict(x={"a": X, "b": X}, y=Y), ValueError, "x and y do not fit the model"),  # one input, two given
+        (dict(x=X[:, :4], y=Y), ValueError, "x and y do not fit the model"),  # 4 features for 6
     ]
     for kwargs, error, match in cases:
         with pytest.raises(error, match=match):

@@ -231,8 +231,11 @@ def _first_batch_build(model: Any, plan: Plan) -> None:
         from keras.src.trainers.data_adapters import data_adapter_utils
 
         x, y, _ = data_adapter_utils.unpack_x_y_sample_weight(plan.first_batch())
-        with shapes_only():
-            model._symbolic_build(data_batch=(x, y))
+        try:
+            with shapes_only():
+                model._symbolic_build(data_batch=(x, y))
+        except (ValueError, TypeError, RuntimeError) as exc:  # checked here, before anything is on a server
+            raise ValueError(f"x and y do not fit the model (its inputs, outputs and loss): {exc}") from exc
 
 
 def _should_validate(epoch: int, validation_freq: Any) -> bool:
