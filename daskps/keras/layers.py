@@ -29,23 +29,22 @@ _IDS: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("da
 
 
 @contextlib.contextmanager
-def using_rows(rows: dict[str, Any]) -> Iterator[None]:
+def _setting(var: contextvars.ContextVar[Any], value: Any) -> Iterator[None]:
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+def using_rows(rows: dict[str, Any]) -> Any:
     """Inside: each ``EmbeddingTable`` layer returns the rows given for it by name (traced in a step)."""
-    token = _ROWS.set(rows)
-    try:
-        yield
-    finally:
-        _ROWS.reset(token)
+    return _setting(_ROWS, rows)
 
 
-@contextlib.contextmanager
-def recording_ids(found: dict[str, Any]) -> Iterator[None]:
+def recording_ids(found: dict[str, Any]) -> Any:
     """Inside: each ``EmbeddingTable`` layer puts the ids it is called with in ``found`` and returns zeros."""
-    token = _IDS.set(found)
-    try:
-        yield
-    finally:
-        _IDS.reset(token)
+    return _setting(_IDS, found)
 
 
 def no_lookups() -> Any:
