@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import daskps as dps
-from tests.conftest import set_trainer_slots
+from tests.conftest import datasets_built, set_trainer_slots
 
 keras = pytest.importorskip("keras", reason="Keras is not installed (pip install 'daskps[keras]')")
 if keras.backend.backend() != "jax":
@@ -573,6 +573,28 @@ def test_a_hash_table_layer_trains_as_a_keras_embedding_of_the_same_rows(strateg
                                rtol=RTOL, atol=1e-5)
     np.testing.assert_allclose(dps.keras.evaluate(model, [ids, dense], label, verbose=0, coordinator=coordinator),
                                reference.evaluate([ids, dense], label, verbose=0), rtol=1e-4)
+
+
+def test_dropping_the_model_releases_what_it_made_on_servers_and_trainers(client, strategy, coordinator):
+    import gc
+    import time
+
+    def held():
+        servers = sum(s["num_variables"] for s in strategy.ps_stats())
+        return servers, sum(len(d) for d in client.run(datasets_built).values())
+
+    before = held()
+    with strategy.scope():
+        model = classifier()
+    dps.keras.fit(model, X, Y, epochs=1, verbose=0, coordinator=coordinator)
+    during = held()
+    assert during[0] > before[0] and during[1] > before[1]  # variables and slots; the model's copy on the trainers
+    del model
+    deadline = time.monotonic() + 30
+    while held() != before:  # releases travel in the background
+        assert time.monotonic() < deadline, f"still held: {held()} (before: {before}, during: {during})"
+        gc.collect()
+        time.sleep(0.1)
 
 
 # -- refusals: named arguments, nothing made on a server ---------------------------------------
