@@ -108,9 +108,7 @@ def test_only_the_transport_talks_to_dask_comms():
 # Private names read through another object or module where Dask offers nothing public: (module, name, why).
 # Keras 3 has no public way to do what dps.keras must do as Keras' own fit does it:
 PRIVATE_READS_ALLOWED: list[tuple[str, str, str]] = [
-    ("daskps.keras.loop", "_symbolic_build", "Keras builds compiled metrics from a first batch only this way"),
-    ("daskps.keras.program", "_symbolic_build", "the same, on a trainer's copy of the model"),
-    ("daskps.keras.torch_program", "_symbolic_build", "the same, on the PyTorch backend"),
+    ("daskps.keras.backend", "_symbolic_build", "Keras builds compiled metrics from a first batch only this way"),
     ("daskps.keras.program", "_update_metrics_variables", "the JAX trainer's stateless metric update"),
     ("daskps.keras.loop", "_initial_epoch", "BackupAndRestore's resume epoch, set in on_train_begin"),
     ("daskps.keras.loop", "_flatten_metrics_in_order", "evaluate's list of results, in Keras' order"),

@@ -7,7 +7,24 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["check_backend", "shapes_only"]
+__all__ = ["all_layers", "build_from", "check_backend", "shapes_only"]
+
+
+def all_layers(layer: Any) -> list[Any]:
+    """``layer`` and every layer inside it (nested models included), in a stable order."""
+    found = [layer]
+    for inner in getattr(layer, "layers", None) or []:
+        found.extend(all_layers(inner))
+    return found
+
+
+def build_from(model: Any, batch: Any) -> None:
+    """Keras' build from a batch (compiled metrics, optimizer), hash-table layers reading nothing."""
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    x, y, _ = data_adapter_utils.unpack_x_y_sample_weight(batch)
+    with shapes_only():
+        model._symbolic_build(data_batch=(x, y))
 
 
 def shapes_only() -> Any:

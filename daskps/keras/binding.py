@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from daskps.coordinator.coordinator import ClusterCoordinator
+from daskps.keras.backend import all_layers
 from daskps.keras.data import Repeat
 from daskps.keras.optimizer import keras_config, uses_schedule
 from daskps.keras.program import ModelBlob, PredictStep, TestStep, TrainStep
@@ -134,14 +135,6 @@ def _compile_key(model: Any) -> str:
         return repr((id(model.loss), id(getattr(model, "compiled_metrics", None))))
 
 
-def _layers(layer: Any) -> list[Any]:
-    """``layer`` and every layer inside it (nested models included)."""
-    found = [layer]
-    for inner in getattr(layer, "layers", None) or []:
-        found.extend(_layers(inner))
-    return found
-
-
 def _make_tables(model: Any) -> dict[str, Any]:
     """A ``dps.EmbeddingTable`` on the servers for each ``dps.keras.EmbeddingTable`` layer, by layer name."""
     layers = _table_layers(model)
@@ -172,7 +165,7 @@ def _embedding_positions(model: Any) -> tuple[int, ...]:
     """Where the matrices of ``keras.layers.Embedding`` layers are among the model's trainable variables."""
     import keras
 
-    tables = {id(layer.embeddings) for layer in _layers(model) if isinstance(layer, keras.layers.Embedding)
+    tables = {id(layer.embeddings) for layer in all_layers(model) if isinstance(layer, keras.layers.Embedding)
               and getattr(layer, "embeddings", None) is not None}
     return tuple(i for i, v in enumerate(model.trainable_variables) if id(v) in tables)
 

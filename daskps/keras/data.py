@@ -219,9 +219,7 @@ def as_source(x: Any, y: Any, sample_weight: Any, class_weight: Any, batch_size:
         return Plan(x, None, None, int(steps), steps_per_execution, False)
     if x is None:
         raise ValueError(f"{what} must be given: numpy arrays (or dicts of them) or a per-worker dataset_fn")
-    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
-                                   or batch_size < 1):
-        raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
+    _checked_batch_size(batch_size)
     if need_y and y is None:
         raise ValueError(f"y must be given with {what} as arrays: the model was compiled with a loss that "
                          "compares predictions with targets")
@@ -253,6 +251,13 @@ def as_source(x: Any, y: Any, sample_weight: Any, class_weight: Any, batch_size:
                 steps_per_execution, shuffle)
 
 
+def _checked_batch_size(batch_size: Any) -> Any:
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
+                                   or batch_size < 1):
+        raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
+    return batch_size
+
+
 def _dask_kind(part: Any, arg: str) -> tuple[Any, str]:
     """A Dask collection as ``from_dask`` reads it, and how its batches become Keras' input."""
     name = type(part).__name__
@@ -275,10 +280,7 @@ def _dask_plan(x: Any, y: Any, sample_weight: Any, class_weight: Any, batch_size
     if need_y and y is None:
         raise ValueError(f"y must be given with {what} as a Dask collection: the model was compiled with a loss "
                          "that compares predictions with targets")
-    if batch_size is None:
-        batch_size = 32
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
+    batch_size = 32 if _checked_batch_size(batch_size) is None else batch_size
     parts, kinds = [], []
     for arg, part in (("x", x), ("y", y), ("sample_weight", sample_weight)):
         if part is None:

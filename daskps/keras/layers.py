@@ -22,6 +22,8 @@ from typing import Any
 import keras
 import numpy as np
 
+from daskps.keras.backend import all_layers
+
 __all__ = ["EmbeddingTable", "no_lookups", "recording_ids", "table_layers", "using_rows"]
 
 _ROWS: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("daskps_keras_rows", default=None)
@@ -133,13 +135,4 @@ class EmbeddingTable(keras.layers.Layer):
 
 def table_layers(model: Any) -> list[EmbeddingTable]:
     """The model's ``EmbeddingTable`` layers, nested models included, in a stable order."""
-    found: list[EmbeddingTable] = []
-
-    def walk(layer: Any) -> None:
-        if isinstance(layer, EmbeddingTable):
-            found.append(layer)
-        for inner in getattr(layer, "layers", None) or []:
-            walk(inner)
-
-    walk(model)
-    return found
+    return [layer for layer in all_layers(model) if isinstance(layer, EmbeddingTable)]

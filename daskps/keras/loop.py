@@ -22,7 +22,7 @@ import numpy as np
 from daskps.coordinator.coordinator import ClusterCoordinator
 from daskps.distribute import context
 from daskps.distribute.strategy import ParameterServerStrategy
-from daskps.keras.backend import shapes_only
+from daskps.keras.backend import build_from
 from daskps.keras.binding import Binding, binding_for
 from daskps.keras.data import Plan, Repeat, Step, as_source, is_dataset_fn, validation_parts
 
@@ -102,11 +102,7 @@ class MetricsState:
         delta = result.metrics
         if result.sample is not None and not all(getattr(m, "built", True) for m in self.model.metrics):
             # A dataset_fn's first batch: Keras builds the compiled metrics from it, as at its own first batch.
-            from keras.src.trainers.data_adapters import data_adapter_utils
-
-            x, y, _ = data_adapter_utils.unpack_x_y_sample_weight(result.sample)
-            with shapes_only():
-                self.model._symbolic_build(data_batch=(x, y))
+            build_from(self.model, result.sample)
             self.model.reset_metrics()
             self.state = [np.array(v.numpy()) for v in self.model.metrics_variables]
         if len(delta) != len(self.state):
@@ -228,12 +224,8 @@ def _run_test(binding: Binding, model: Any, plan: Plan, callbacks: Any, data_ite
 def _first_batch_build(model: Any, plan: Plan) -> None:
     """Let Keras build the compiled metrics (it does so at the first batch) on the local model."""
     if plan.is_arrays:
-        from keras.src.trainers.data_adapters import data_adapter_utils
-
-        x, y, _ = data_adapter_utils.unpack_x_y_sample_weight(plan.first_batch())
         try:
-            with shapes_only():
-                model._symbolic_build(data_batch=(x, y))
+            build_from(model, plan.first_batch())
         except (ValueError, TypeError, RuntimeError) as exc:  # checked here, before anything is on a server
             raise ValueError(f"x and y do not fit the model (its inputs, outputs and loss): {exc}") from exc
 

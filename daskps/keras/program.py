@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from daskps._core.slices import IndexedSlices
-from daskps.keras.backend import check_backend, shapes_only
+from daskps.keras.backend import build_from, check_backend
 from daskps.variables.variable import read_values
 
 __all__ = ["ModelBlob", "PredictStep", "StepResult", "TestStep", "TrainStep", "check_backend", "predict_block", "program",
@@ -60,6 +60,17 @@ def _plain(delta: list[np.ndarray]) -> list[Any]:
     return [d.item() if d.ndim == 0 else d for d in delta]
 
 
+def _added(total: list[np.ndarray] | None, metrics: list[Any], start: list[np.ndarray]) -> list[np.ndarray]:
+    """``total`` plus one batch's change of the metrics' state (from Keras' reset values ``start``)."""
+    delta = [np.asarray(m) - s for m, s in zip(metrics, start)]
+    return delta if total is None else [t + d for t, d in zip(total, delta)]
+
+
+def _result(prog: Any, total: list[np.ndarray] | None, batches: list[Any]) -> StepResult:
+    """A step's answer; two rows of a batch while the coordinator has not built its metrics."""
+    return StepResult(_plain(total or []), None if prog.blob.metric_shapes or not batches else _sample(batches[0]))
+
+
 def _sample(batch: Any) -> Any:
     import keras
 
@@ -91,11 +102,7 @@ class _Program:
         """Build the compiled metrics (Keras makes them at the first batch) and check they match the coordinator's."""
         if self.built:
             return
-        from keras.src.trainers.data_adapters import data_adapter_utils
-
-        x, y, _ = data_adapter_utils.unpack_x_y_sample_weight(batch)
-        with shapes_only():
-            self.model._symbolic_build(data_batch=(x, y))  # Keras' own build of metrics and optimizer
+        build_from(self.model, batch)  # Keras' own build of metrics and optimizer
         shapes = tuple(tuple(v.shape) for v in self.model.metrics_variables)
         if self.blob.metric_shapes and shapes != self.blob.metric_shapes:
             raise RuntimeError(f"the model rebuilt on this trainer has metric variables of shapes {shapes}, "
@@ -288,9 +295,8 @@ class TrainStep(_Step):
                 new = np.asarray(new)
                 if not np.array_equal(new, old):
                     var.assign_add(new - old)
-            delta = [np.asarray(m) - s for m, s in zip(metrics, prog.metrics_start)]
-            total = delta if total is None else [t + d for t, d in zip(total, delta)]
-        return StepResult(_plain(total or []), None if prog.blob.metric_shapes or not batches else _sample(batches[0]))
+            total = _added(total, metrics, prog.metrics_start)
+        return _result(prog, total, batches)
 
 
 class TestStep(_Step):
@@ -307,9 +313,8 @@ class TestStep(_Step):
             if weights is None or ids:  # evaluation changes no weights: one read serves every batch, rows aside
                 weights = self.values(ids)
             metrics = prog.test(weights[0], weights[1], batch, weights[2])
-            delta = [np.asarray(m) - s for m, s in zip(metrics, prog.metrics_start)]
-            total = delta if total is None else [t + d for t, d in zip(total, delta)]
-        return StepResult(_plain(total or []), None if prog.blob.metric_shapes or not batches else _sample(batches[0]))
+            total = _added(total, metrics, prog.metrics_start)
+        return _result(prog, total, batches)
 
 
 class PredictStep(_Step):

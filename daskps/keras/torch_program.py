@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from daskps.keras.backend import check_backend
+from daskps.keras.backend import build_from, check_backend
 
 __all__ = ["TorchProgram"]
 
@@ -58,10 +58,7 @@ class TorchProgram:
     def build(self, batch: Any) -> None:
         if self.built:
             return
-        from keras.src.trainers.data_adapters import data_adapter_utils
-
-        x, y, _ = data_adapter_utils.unpack_x_y_sample_weight(batch)
-        self.model._symbolic_build(data_batch=(x, y))
+        build_from(self.model, batch)
         self.model.optimizer = self.keep  # the servers run the optimizer: keep the gradients instead
         self.model.reset_metrics()
         self.metrics_start = [_numpy(v.value) for v in self.model.metrics_variables]
