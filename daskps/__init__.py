@@ -38,6 +38,7 @@ from daskps.distribute.strategy import ParameterServerStrategy
 from daskps.distribute.values import InputContext, InputOptions, ReduceOp, RunOptions, ValueContext
 from daskps.training.checkpoint import Checkpoint, CheckpointManager
 from daskps.training.sidecar import SidecarEvaluator
+from daskps.variables.bags import Bags, PooledSlices, embedding_lookup_sparse
 from daskps.variables.embedding import embedding_lookup
 from daskps.variables.hashed import EmbeddingTable
 from daskps.variables.params import create_variables
@@ -47,6 +48,7 @@ from daskps.variables.variable import ShardedVariable, Variable, read_values
 __version__ = "0.1.0"
 
 __all__ = [
+    "Bags",
     "Checkpoint",
     "CheckpointManager",
     "ClusterCoordinator",
@@ -60,6 +62,7 @@ __all__ = [
     "PerWorkerDataset",
     "PerWorkerIterator",
     "PerWorkerValues",
+    "PooledSlices",
     "ReduceOp",
     "RemoteValue",
     "ReplicaContext",
@@ -72,6 +75,7 @@ __all__ = [
     "create_variables",
     "data",
     "embedding_lookup",
+    "embedding_lookup_sparse",
     "errors",
     "get_replica_context",
     "get_strategy",

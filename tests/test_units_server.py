@@ -91,7 +91,7 @@ def test_counters_count_reads_updates_bytes_and_messages():
     stats = ps.execute([ops.Stats()])[0]
     assert stats.task_id == 0 and stats.messages == 7
     assert stats.reads == 3 and stats.bytes_read == 16 + 24 + 8
-    assert stats.updates == 3 and stats.bytes_received == 16 + 16 + (16 + 16)
+    assert stats.updates == 3 and stats.bytes_received == 8 + 16 + 16 + (16 + 16)  # the read's index too
     assert stats.table_reads == {"a": 1, "b": 2} and stats.table_updates == {"a": 2, "b": 1}
     assert stats.num_variables == 2 and stats.nbytes == 16 + 24 and stats.slot_nbytes == 0
     assert stats.variables == {"a": ops.TableInfo("name_a", (4,), "<f4"), "b": ops.TableInfo("name_b", (3, 2), "<f4")}

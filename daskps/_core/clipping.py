@@ -26,12 +26,32 @@ class Clipping(NamedTuple):
     global_clipnorm: float | None = None
 
 
+class Pooled(NamedTuple):
+    """A ``"bags"`` gradient: a row of ``values`` per bag; ``squares`` the sum of squared weights of each
+    bag's ids, so that its norm is that of the gradient with a row per id."""
+
+    squares: np.ndarray
+    values: np.ndarray
+    bags: Any
+
+
 def _values(kind: str, payload: Any) -> np.ndarray:
-    return payload[1] if kind == "rows" else payload
+    return payload[1] if kind in ("rows", "bags") else payload
 
 
 def _with_values(kind: str, payload: Any, values: np.ndarray) -> Any:
+    if kind == "bags":
+        return payload._replace(values=values)
     return (payload[0], values) if kind == "rows" else values
+
+
+def _squared(kind: str, payload: Any) -> Any:
+    """The squared L2 norm of a gradient's values as given (a bag's row counted once per id, times its weight)."""
+    values = _values(kind, payload)
+    if kind == "bags":
+        per_bag = np.sum(np.square(values, dtype=np.float64).reshape(len(values), -1), axis=1)
+        return np.dot(per_bag, payload.squares)
+    return np.sum(np.square(values), dtype=np.float64)  # (float32 squares, as Keras' global norm)
 
 
 def clip_gradients(clipping: Clipping, grads: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
@@ -49,7 +69,8 @@ def clip_gradients(clipping: Clipping, grads: list[tuple[str, Any]]) -> list[tup
         out = []
         for kind, payload in grads:
             values = _values(kind, payload)
-            norm = np.sqrt(np.sum(np.square(values)))
+            norm = (np.sqrt(_squared(kind, payload)).astype(values.dtype) if kind == "bags"
+                    else np.sqrt(np.sum(np.square(values))))
             out.append((kind, _with_values(kind, payload, values * values.dtype.type(c) / np.maximum(norm, c))))
         return out
     if clipping.clipvalue is not None:
@@ -57,7 +78,7 @@ def clip_gradients(clipping: Clipping, grads: list[tuple[str, Any]]) -> list[tup
         return [(kind, _with_values(kind, p, np.clip(_values(kind, p), -c, c))) for kind, p in grads]
     if clipping.global_clipnorm is not None and grads:
         c = clipping.global_clipnorm
-        norm = np.sqrt(sum(np.sum(np.square(_values(kind, p)), dtype=np.float64) for kind, p in grads))
+        norm = np.sqrt(sum(_squared(kind, p) for kind, p in grads))
         scale = c * min(1.0 / norm, 1.0 / c) if norm > 0 else 1.0
         if not np.isfinite(norm):
             scale = np.nan  # as Keras: an infinite or NaN norm makes every gradient NaN

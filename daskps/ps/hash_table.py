@@ -42,7 +42,7 @@ from typing import Any, NamedTuple, cast
 import numpy as np
 from fsspec import AbstractFileSystem
 
-from daskps._core import ckpt_io, transforms
+from daskps._core import bags, ckpt_io, transforms
 from daskps._core.arrays import call_initializer
 from daskps._core.transforms import Transform
 from daskps.ps.hashing import KeyIndex, mix, server_of
@@ -135,6 +135,13 @@ class HashTable(Table):
             return self._special(index)
         keys = check_keys(index, self.name, "ids", one_d=True)
         return self.lookup(keys)
+
+    def pool(self, ids: np.ndarray, lengths: np.ndarray, weights: np.ndarray | None,
+             max_norm: float | None) -> np.ndarray:
+        """As a lookup of the distinct keys (one sighting each), then pooled bag by bag."""
+        keys = check_keys(ids, self.name, "ids", one_d=True)
+        uniq, inverse = np.unique(keys, return_inverse=True)
+        return bags.pool(self.lookup(uniq)[inverse.ravel()], lengths, weights, max_norm)
 
     def _special(self, what: str) -> np.ndarray:
         if what in (KEYS, ROWS):

@@ -193,7 +193,7 @@ class ServerStats(NamedTuple):
     calls: dict[str, int]
     variables: dict[str, TableInfo]
     counts: dict[str, dict[str, int]]  # per table with counters of its own (hash tables): rows, admitted...
-    bytes_received: int = 0  # in updates and gradients
+    bytes_received: int = 0  # in read indices (ids, bags), updates and gradients
     table_reads: dict[str, int] = {}  # by table key: reads of each table (a shard is one)
     table_updates: dict[str, int] = {}  # updates and gradients applied to each
 

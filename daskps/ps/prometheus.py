@@ -31,7 +31,7 @@ METRICS = [
     ("server_updates", "counter", ("server", "address", "strategy"), "Updates and gradients a parameter server has applied"),
     ("server_bytes_sent", "counter", ("server", "address", "strategy"), "Bytes of values a parameter server has sent"),
     ("server_bytes_received", "counter", ("server", "address", "strategy"),
-     "Bytes of updates and gradients a parameter server has received"),
+     "Bytes a parameter server has received: read indices (row ids, bags), updates and gradients"),
     ("server_messages", "counter", ("server", "address", "strategy"), "Messages a parameter server has answered"),
     ("server_up", "gauge", ("server", "address", "strategy"), "1 if the parameter server answered the last look, else 0"),
     ("functions_scheduled", "counter", ("strategy",), "Functions a coordinator has scheduled"),

@@ -27,12 +27,13 @@ import pickle
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import fsspec
 import numpy as np
 
 from daskps._core import transforms
+from daskps._core.bags import BagGrad, BagMemory, BagRead, check_bags, spread
 from daskps._core.ckpt_io import Written
 from daskps._core.updates import Refused
 from daskps.errors import PartlyAppliedError
@@ -80,6 +81,7 @@ class ParameterServer:
         self._optimizers: dict[str, ops.AddOptimizer] = {}
         self._blobs: dict[str, bytes] = {}
         self._staged: dict[str, list[tuple[Table, Staged]]] = {}  # restores read but not yet committed
+        self._bags = BagMemory()  # recent pooled lookups' bags, for their gradients
         self.reads = self.bytes_read = self.updates = self.messages = self.bytes_received = 0
         self.table_reads: Counter[str] = Counter()  # by table key: reads and updates of each shard
         self.table_updates: Counter[str] = Counter()
@@ -153,6 +155,7 @@ class ParameterServer:
             if not +counts:
                 self._drop(key)
                 dropped += 1
+        self._bags.drop_lanes(suffix)
         return dropped
 
     def release(self, op: ops.Release) -> int:
@@ -171,7 +174,8 @@ class ParameterServer:
     def _drop(self, key: str) -> None:
         del self._holders[key]
         self._blobs.pop(key, None)
-        self._tables.pop(key, None)
+        if self._tables.pop(key, None) is not None:
+            self._bags.drop_table(key)
         if self._optimizers.pop(key, None) is not None:
             for table in self._tables.values():
                 table.slots.pop(key, None)
@@ -223,7 +227,18 @@ class ParameterServer:
         if op.indices is None:
             out = [t.read(None, self._shared_reads) for t in tables]
         else:
-            out = [t.read(index, False) for t, index in zip(tables, op.indices, strict=True)]
+            out = []
+            for key, t, index in zip(op.keys, tables, op.indices, strict=True):
+                if type(index) is BagRead:
+                    ids, lengths, weights = check_bags(index.ids, index.lengths, index.weights, f"lookup of {t.name!r}")
+                    out.append(t.pool(ids, lengths, weights, index.max_norm))
+                    self._bags.keep(key, index, ids)
+                else:
+                    out.append(t.read(index, False))
+                if type(index) is np.ndarray:
+                    self.bytes_received += index.nbytes
+                elif type(index) is BagRead:
+                    self.bytes_received += _nbytes(tuple(index[:3]))
         self.reads += len(out)
         self.bytes_read += sum(a.nbytes for a in out)
         self.table_reads.update(op.keys)
@@ -246,6 +261,8 @@ class ParameterServer:
         checked = []
         for key, kind, grad in op.items:
             table = self._get(key)
+            if kind == "bags":
+                kind, grad = "rows", self._spread(key, table, cast(BagGrad, grad))
             checked.append((key, table, table.check_gradient(kind, grad, optimizer.name)))
         counter = None if op.bump is None else self._get(op.bump)
         per_table, nbytes = self.table_updates, 0
@@ -256,8 +273,22 @@ class ParameterServer:
             nbytes += grad.nbytes if type(grad) is np.ndarray else _nbytes(grad)
         if counter is not None:
             counter.apply_update("add", op.times)
+        for key, kind, grad in op.items:
+            if kind == "bags":
+                self._bags.forget(key, cast(BagGrad, grad))
         self.updates += len(checked)
         self.bytes_received += nbytes
+
+    def _spread(self, key: str, table: Table, grad: BagGrad) -> tuple[np.ndarray, np.ndarray]:
+        """A pooled gradient as ``(distinct ids, summed rows)``: each bag's vector times each id's weight."""
+        if type(grad) is not BagGrad:
+            raise TypeError(f"a pooled gradient for {table.name!r} must be a BagGrad, got {type(grad).__name__}")
+        ids, lengths, weights = self._bags.find(key, grad)
+        values = np.asarray(grad.values)
+        if values.ndim < 2 or len(values) != len(lengths):
+            raise ValueError(f"a pooled gradient for {table.name!r} must have a row per bag ({len(lengths)}), "
+                             f"got shape {values.shape}")
+        return transforms.sum_rows(ids.astype(np.int64), spread(values, lengths, weights))
 
     # -- checkpoints ----------------------------------------------------------------
     def save(self, op: ops.Save) -> list[Written]:

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 from fsspec import AbstractFileSystem
 
-from daskps._core import ckpt_io, transforms
+from daskps._core import bags, ckpt_io, transforms
 from daskps._core.arrays import build_part, materialize
 from daskps._core.transforms import Transform
 from daskps._core.updates import apply_update, check_gradient_of_kind, check_update
@@ -48,6 +48,11 @@ class Table(abc.ABC):
     @abc.abstractmethod
     def read(self, index: object, shared: bool) -> np.ndarray:
         """The whole value (``index`` None) or ``value[index]``: a copy, unless ``shared`` allows the stored array."""
+
+    def pool(self, ids: np.ndarray, lengths: np.ndarray, weights: np.ndarray | None,
+             max_norm: float | None) -> np.ndarray:
+        """``sum(weight * row)`` of rows ``ids`` over consecutive bags of ``lengths`` (see :mod:`daskps._core.bags`)."""
+        raise TypeError(f"table {self.name!r} cannot pool rows")
 
     @abc.abstractmethod
     def check_update(self, op: str, payload: object) -> object:
@@ -156,6 +161,14 @@ class DenseTable(Table):
         if index is None:
             return self.value if shared else self.value.copy()
         return _take(self.value, index)
+
+    def pool(self, ids: np.ndarray, lengths: np.ndarray, weights: np.ndarray | None,
+             max_norm: float | None) -> np.ndarray:
+        n = len(self.value) if self.value.ndim else 0
+        if len(ids) and (ids.min() < 0 or ids.max() >= n):
+            raise IndexError(f"ids for variable {self.name!r}: id {ids.max() if ids.max() >= n else ids.min()} "
+                             f"is out of range [0, {n})")
+        return bags.pool(np.take(self.value, ids, axis=0), lengths, weights, max_norm)
 
     def check_update(self, op: str, payload: object) -> object:
         return check_update(self.value.shape, self.value.dtype, self.name, op, payload)

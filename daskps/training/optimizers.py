@@ -42,6 +42,7 @@ from daskps.distribute import context
 from daskps.ps import ops, protocol, refs
 from daskps.ps.routing import LOCAL
 from daskps.variables import rows
+from daskps.variables.bags import PooledSlices, check_pooled
 from daskps.variables.hashed import EmbeddingTable
 from daskps.variables.variable import ShardedVariable, Variable, shards_of
 
@@ -335,7 +336,7 @@ class Optimizer:
             g = flat_grads[i]
             if isinstance(v, (Variable, ShardedVariable, EmbeddingTable)):
                 pairs.append((g, v))
-            elif trees.is_array(g) or isinstance(g, IndexedSlices):
+            elif trees.is_array(g) or isinstance(g, (IndexedSlices, PooledSlices)):
                 raise TypeError(f"trainable_variables at {trees.describe(path)} must be a Variable to take a "
                                 f"gradient, got {_describe(v)}")
             # A tree's other leaves (a dataclass's activation name, None) carry no gradient.
@@ -345,6 +346,9 @@ class Optimizer:
         checked: list[tuple[Any, str, Any]] = []
         for grad, var in zip(grads, variables):
             if grad is None:
+                continue
+            if isinstance(grad, PooledSlices):
+                checked.append((var, "bags", self._pooled(var, grad)))
                 continue
             if isinstance(var, EmbeddingTable):
                 checked.append((var, "rows", _table_gradient(var, grad)))
@@ -365,6 +369,19 @@ class Optimizer:
                 "counter is not on a parameter server; create it inside the scope"
             )
         protocol.apply_gradients(self._key, items, counter, transforms.additive(self._transform))
+
+    def _pooled(self, var: Any, grad: PooledSlices) -> Any:
+        """A pooled gradient checked for ``var``: ``(bag weights' squared sums, values / divisor, bags)``."""
+        if not isinstance(var, (Variable, ShardedVariable, EmbeddingTable)):
+            raise TypeError(f"a PooledSlices gradient must be paired with a Variable, ShardedVariable or "
+                            f"EmbeddingTable, got {_describe(var)}")
+        transforms.check_trainable(var.dtype, var.name, self.name)
+        if self._clipping.clipvalue is not None and grad.bags.weights is not None:
+            raise ValueError(f"optimizer {self.name!r} clips each value (clipvalue), which a weighted PooledSlices "
+                             "gradient cannot do per id; use clipnorm or global_clipnorm, or an IndexedSlices "
+                             "gradient (PooledSlices.to_indexed_slices())")
+        values, squares = check_pooled(var, grad)
+        return clipping.Pooled(squares, values, grad.bags)
 
     def __repr__(self) -> str:
         rate = self._transform.learning_rate  # a schedule as itself: no call to a server
@@ -411,6 +428,8 @@ def _table_gradient(table: EmbeddingTable, grad: Any) -> tuple[np.ndarray, np.nd
 
 def _split_gradient(var: Any, kind: str, payload: Any) -> list[tuple[Any, str, Any]]:
     """``(handle, kind, payload)`` for each shard (or part) of ``var``."""
+    if kind == "bags":
+        return payload.bags.gradient_parts(var, payload.values)
     if isinstance(var, EmbeddingTable):
         # Repeated keys summed here (each part gets distinct keys, in order: as its lookups send them);
         # every part gets its part, even an empty one: all parts count the same steps.

@@ -485,6 +485,8 @@ def _is_row_read(node: Any) -> bool:
 def _plan(v: Any) -> tuple[list[tuple[Variable, Any]], Any]:
     if isinstance(v, tuple) and len(v) == 2:
         table, ids = v
+        if callable(getattr(ids, "plan", None)):  # a dps.Bags: pooled on the servers
+            return ids.plan(table)
         if hasattr(table, "row_plan"):  # an EmbeddingTable or a ShardedVariable
             return table.row_plan(ids)
         shards = shards_of(table)
