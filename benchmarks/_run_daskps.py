@@ -55,11 +55,120 @@ def run_daskps(workloads: list[str], num_ps: int, num_workers: int, steps: dict[
     out = {}
     with dps.LocalPSCluster(num_ps=num_ps, num_workers=num_workers) as cluster, cluster.get_client() as client:
         partitioner = dps.partitioners.MinSizePartitioner(256 << 10, max_shards=num_ps)
-        with dps.ParameterServerStrategy(client, variable_partitioner=partitioner) as strategy:
-            coordinator = dps.ClusterCoordinator(strategy, staleness=staleness)
-            for name in workloads:
-                out[name] = globals()[f"_daskps_{name}"](strategy, coordinator, steps[name])
+        rest = [w for w in workloads if w != "dlrm"]
+        if rest:
+            with dps.ParameterServerStrategy(client, variable_partitioner=partitioner) as strategy:
+                coordinator = dps.ClusterCoordinator(strategy, staleness=staleness)
+                for name in rest:
+                    out[name] = globals()[f"_daskps_{name}"](strategy, coordinator, steps[name])
+        if "dlrm" in workloads:  # its tables whole, one per server in turn (TorchRec's table-wise sharding)
+            with dps.ParameterServerStrategy(client) as strategy:
+                out.update(_daskps_dlrm(strategy, dps.ClusterCoordinator(strategy, staleness=staleness),
+                                        steps["dlrm"]))
     return out
+
+
+def _daskps_dlrm(strategy, coordinator, steps: int) -> dict[str, float]:
+    """The DLRM of ``_dlrm.py``: each step pools its 8 features' bags on the servers (one vector per bag
+    each way) and reads the dense layers, all in one message per server."""
+    import _dlrm
+
+    init = _dlrm.init_params(1)
+    with strategy.scope():
+        dense = [dps.Variable(init[n], name=n) for n in _dlrm.DENSE_NAMES]
+        tables = [dps.Variable(init[f"table{t}"], name=f"table{t}") for t in range(_dlrm.TABLES)]
+        opt = dps.optimizers.Adagrad(_dlrm.LR, initial_accumulator_value=0.0)
+    n = steps * _dlrm.BATCH
+    trainers = len(strategy.trainer_names)
+
+    def dataset_fn(ctx):
+        import _dlrm
+
+        train, _ = _dlrm.make_data(n)
+        # Its share of the batches, then (should it take more steps than its share) the others'.
+        for start in _dlrm.trainer_batches(train, ctx.input_pipeline_id, trainers) + _dlrm.trainer_batches(train, 0, 1):
+            yield train.batch(start, start + _dlrm.BATCH)
+
+    def step(it):
+        x, bags, y = next(it)
+        bags = [dps.Bags(b) for b in bags]  # mean pooling
+        got = dps.read_values(dense + list(zip(tables, bags)))
+        params = dict(zip(_dlrm.DENSE_NAMES, got))
+        logit, saved = _dlrm.forward(params, x, got[len(dense):])
+        loss, dlogit = _dlrm.log_loss_grad(logit, y)
+        grads, pooled_grads = _dlrm.backward(params, saved, dlogit)
+        opt.apply_gradients([(grads[k], v) for k, v in zip(_dlrm.DENSE_NAMES, dense)]
+                            + [(dps.PooledSlices(g, b), t) for g, b, t in zip(pooled_grads, bags, tables)])
+        return loss
+
+    _dlrm.make_data(n)  # made once here, before the trainers load it
+    it = iter(coordinator.create_per_worker_dataset(dataset_fn))
+    warmup = 20
+    for _ in range(warmup):
+        coordinator.schedule(step, args=(it,))
+    coordinator.join()
+    before = _bytes(strategy)
+    start = time.perf_counter()
+    for _ in range(steps - warmup):
+        coordinator.schedule(step, args=(it,))
+    coordinator.join()
+    rate = _dlrm.BATCH * (steps - warmup) / (time.perf_counter() - start)
+    moved = _bytes(strategy) - before
+    out = {"dlrm": rate, "dlrm_auc": _dlrm_auc(dense, tables, n), "dlrm_bytes": moved / (_dlrm.BATCH * (steps - warmup))}
+    out.update(_embedding_bytes(strategy, tables, opt, n))
+    return out
+
+
+def _embedding_bytes(strategy, tables, opt, n: int, batches: int = 20) -> dict[str, float]:
+    """Bytes per example the servers count for the 8 features' lookups and gradients alone, three ways:
+    pooled (``Bags``/``PooledSlices``), every id row by row (each id's row read and its gradient row sent,
+    what ``embedding_lookup`` and an ``IndexedSlices`` per id move when no id repeats), and as a user
+    writes it without pooling (each distinct id's row read, its summed gradient row sent)."""
+    import _dlrm
+    from daskps.ps import protocol
+
+    train, _ = _dlrm.make_data(n)
+    starts = [i * _dlrm.BATCH for i in range(batches)]
+    zero = np.zeros((_dlrm.BATCH, _dlrm.DIM), np.float32)
+    out = {}
+    for way in ("pooled", "rows", "unique"):
+        before = _bytes(strategy)
+        for a in starts:
+            _, bags, _ = train.batch(a, a + _dlrm.BATCH)
+            if way == "pooled":
+                pooled = [dps.Bags(b) for b in bags]
+                dps.read_values(list(zip(tables, pooled)))
+                opt.apply_gradients([(dps.PooledSlices(zero, b), t) for b, t in zip(pooled, tables)])
+            elif way == "rows":
+                protocol.read([(t.handle, values) for t, (values, _) in zip(tables, bags)])
+                opt.apply_gradients([(dps.IndexedSlices(np.zeros((len(v), _dlrm.DIM), np.float32), v), t)
+                                     for t, (v, _) in zip(tables, bags)])
+            else:
+                dps.read_values([(t, values) for t, (values, _) in zip(tables, bags)])
+                uniq = [np.unique(v) for v, _ in bags]
+                opt.apply_gradients([(dps.IndexedSlices(np.zeros((len(u), _dlrm.DIM), np.float32), u), t)
+                                     for t, u in zip(tables, uniq)])
+        protocol.flush()
+        out[f"dlrm_{way}_bytes"] = (_bytes(strategy) - before) / (batches * _dlrm.BATCH)
+    out["dlrm_mean_bag"] = float(train.lengths[: batches * _dlrm.BATCH].mean())
+    return out
+
+
+def _bytes(strategy) -> int:
+    """Bytes the servers sent and received so far (values out; ids, bags, updates and gradients in)."""
+    return sum(s["bytes_read"] + s["bytes_received"] for s in strategy.ps_stats())
+
+
+def _dlrm_auc(dense, tables, n: int) -> float:
+    """The held-out AUC of the model on the servers now."""
+    import _dlrm
+
+    _, test = _dlrm.make_data(n)
+    params = dict(zip(_dlrm.DENSE_NAMES, dps.read_values(dense)))
+    weights = dps.read_values(tables)
+    x, bags, y = test.batch(0, len(test))
+    pooled = [_dlrm.pool_mean(w, v, ln) for w, (v, ln) in zip(weights, bags)]
+    return _dlrm.auc(y, _dlrm.forward(params, x, pooled)[0])
 
 
 def _daskps_dispatch(strategy, coordinator, steps: int) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import time
 
 import numpy as np
 from _workloads import (
@@ -59,10 +60,16 @@ def run_tf(workloads: list[str], num_ps: int, num_workers: int, steps: dict[str,
 
         resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
             tf.train.ClusterSpec(cluster), task_type="chief", task_id=0, rpc_layer="grpc")
-        partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(256 << 10, max_shards=num_ps)
+        # dlrm (run alone) keeps its tables whole, one per server in turn, as daskps and TorchRec do.
+        partitioner = None if workloads == ["dlrm"] else tf.distribute.experimental.partitioners.MinSizePartitioner(
+            256 << 10, max_shards=num_ps)
         strategy = tf.distribute.experimental.ParameterServerStrategy(resolver, variable_partitioner=partitioner)
         coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
-        return {name: globals()[f"_tf_{name}"](tf, strategy, coordinator, steps[name]) for name in workloads}
+        out = {}
+        for name in workloads:
+            got = globals()[f"_tf_{name}"](tf, strategy, coordinator, steps[name])
+            out.update(got if isinstance(got, dict) else {name: got})
+        return out
     finally:
         for p in procs:
             p.terminate()
@@ -151,3 +158,63 @@ def _tf_small(tf, strategy, coordinator, steps: int) -> float:
         return strategy.run(replica)
 
     return timed_schedule(coordinator, step, (), steps, warmup=20)
+
+
+def _tf_dlrm(tf, strategy, coordinator, steps: int) -> dict[str, float]:
+    """The DLRM of ``_dlrm.py``: ``tf.nn.safe_embedding_lookup_sparse`` (mean) on 8 tables, raw layers, Adagrad."""
+    import _dlrm
+
+    n = steps * _dlrm.BATCH
+    train, test = _dlrm.make_data(n)
+    init = _dlrm.init_params(1)
+    with strategy.scope():
+        dense = {k: tf.Variable(init[k], name=k.replace("/", "_")) for k in _dlrm.DENSE_NAMES}
+        tables = [tf.Variable(init[f"table{t}"], name=f"table{t}") for t in range(_dlrm.TABLES)]
+        leaves = _leaves(list(dense.values()) + tables)
+        opt = tf.keras.optimizers.Adagrad(_dlrm.LR, initial_accumulator_value=0.0)
+        opt.build(leaves)
+    pairs = tf.constant(_dlrm.PAIRS[0] * (_dlrm.TABLES + 1) + _dlrm.PAIRS[1])
+
+    def dataset_fn(ctx):
+        ragged = tuple(tf.RaggedTensor.from_row_lengths(v, train.lengths[:, t])
+                       for t, v in enumerate(train.values))
+        ds = tf.data.Dataset.from_tensor_slices((train.dense, ragged, train.labels)).batch(_dlrm.BATCH)
+        return ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id).repeat()
+
+    def model(x, bags):
+        h0 = tf.nn.relu(x @ dense["bottom0/w"] + dense["bottom0/b"])
+        d = tf.nn.relu(h0 @ dense["bottom1/w"] + dense["bottom1/b"])
+        pooled = [tf.nn.safe_embedding_lookup_sparse(table, ids, combiner="mean") for table, ids in zip(tables, bags)]
+        z = tf.stack([d, *pooled], axis=1)
+        gram = tf.reshape(tf.matmul(z, z, transpose_b=True), (-1, (_dlrm.TABLES + 1) ** 2))
+        top_in = tf.concat([d, tf.gather(gram, pairs, axis=1)], axis=1)
+        h2 = tf.nn.relu(top_in @ dense["top0/w"] + dense["top0/b"])
+        return tf.squeeze(h2 @ dense["top1/w"] + dense["top1/b"], 1)
+
+    @tf.function
+    def step(it):
+        def replica(x, bags, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(y, model(x, bags)))
+            opt.apply_gradients(zip(tape.gradient(loss, leaves), leaves))
+            return loss
+
+        x, bags, y = next(it)
+        return strategy.run(replica, args=(x, bags, y))
+
+    per_worker = coordinator.create_per_worker_dataset(strategy.distribute_datasets_from_function(dataset_fn))
+    it = iter(per_worker)
+    warmup = 20
+    for _ in range(warmup):
+        coordinator.schedule(step, args=(it,))
+    coordinator.join()
+    start = time.perf_counter()
+    for _ in range(steps - warmup):
+        coordinator.schedule(step, args=(it,))
+    coordinator.join()
+    rate = _dlrm.BATCH * (steps - warmup) / (time.perf_counter() - start)
+    params = {k: v.numpy() for k, v in dense.items()}
+    weights = [np.concatenate([s.numpy() for s in getattr(t, "variables", [t])]) for t in tables]
+    x, bags, y = test.batch(0, len(test))
+    pooled = [_dlrm.pool_mean(w, v, ln) for w, (v, ln) in zip(weights, bags)]
+    return {"dlrm": rate, "dlrm_auc": _dlrm.auc(y, _dlrm.forward(params, x, pooled)[0])}

@@ -184,7 +184,7 @@ def best_rate(name: str, steps: int, run) -> float:
 UNITS = {"dispatch": "functions/s", "dense": "examples/s", "dense_jax": "examples/s", "keras_fit": "examples/s",
          "keras_fit4": "examples/s", "ctr": "examples/s",
          "ctr_hash": "examples/s",
-         "small": "steps/s"}
+         "small": "steps/s", "dlrm": "examples/s"}
 
 
 def run_child(cmd: list[str], timeout: float, **env: str) -> dict:

@@ -396,19 +396,41 @@ def _map_slots(state: Any, fn: Any) -> Any:
     return state._replace(**{k: fn(v) for k, v in slot_arrays(state).items()})
 
 
-def sum_rows(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def sum_rows(indices: np.ndarray, values: np.ndarray, stable: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """The distinct ``indices`` (sorted) and, for each, the sum of its ``values`` rows, in order of occurrence.
+
+    ``stable=False`` adds a row's values in any order (faster; the sums may
+    differ in the last bit).
 
     >>> sum_rows(np.array([3, 1, 3]), np.array([[1.0], [2.0], [4.0]]))
     (array([1, 3]), array([[2.],
            [5.]]))
     """
-    order = np.argsort(indices, kind="stable")
+    if len(indices) < 2 or bool(np.all(indices[1:] > indices[:-1])):  # already distinct and sorted
+        return indices, values
+    order = np.argsort(indices, kind="stable" if stable else None)
     ordered = indices[order]
-    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]]) if len(ordered) else np.zeros(0, np.intp)
+    new_run = np.empty(len(ordered), bool)
+    new_run[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=new_run[1:])
+    starts = np.flatnonzero(new_run)
+    taken = np.take(values, order, axis=0)
     if len(starts) == len(ordered):  # no repeats: nothing to add up
-        return ordered, values[order]
-    return ordered[starts], np.add.reduceat(values[order], starts, axis=0)
+        return ordered, taken
+    counts = np.empty(len(starts), np.intp)
+    np.subtract(starts[1:], starts[:-1], out=counts[:-1])
+    counts[-1] = len(ordered) - starts[-1]
+    multi = np.flatnonzero(counts > 1)
+    if len(multi) * 4 > len(starts):  # repeats are common: add every run
+        return ordered[starts], np.add.reduceat(taken, starts, axis=0)
+    # Mostly single rows: copy those, and add up only the runs of repeated rows.
+    out = np.take(taken, starts, axis=0)
+    lengths = counts[multi]
+    at = np.zeros(len(multi), np.intp)  # where each run starts among the picked rows
+    np.cumsum(lengths[:-1], out=at[1:])
+    pick = np.repeat(starts[multi] - at, lengths) + np.arange(int(lengths.sum()))
+    out[multi] = np.add.reduceat(np.take(taken, pick, axis=0), at, axis=0)
+    return ordered[starts], out
 
 
 def additive(transform: Any) -> bool:
@@ -459,8 +481,9 @@ def apply_gradient(
         param += updates
         return state
     rows, summed = sum_rows(grad[0], grad[1])
-    updates, row_state = transform.update(summed, _map_slots(state, lambda a: a[rows]), param[rows])
-    param[rows] += updates
+    here = np.take(param, rows, axis=0)
+    updates, row_state = transform.update(summed, _map_slots(state, lambda a: np.take(a, rows, axis=0)), here)
+    param[rows] = here + updates  # (rows are distinct)
     for field, value in slot_arrays(row_state).items():
         getattr(state, field)[rows] = value
     return state._replace(count=row_state.count)

@@ -288,7 +288,7 @@ class ParameterServer:
         if values.ndim < 2 or len(values) != len(lengths):
             raise ValueError(f"a pooled gradient for {table.name!r} must have a row per bag ({len(lengths)}), "
                              f"got shape {values.shape}")
-        return transforms.sum_rows(ids.astype(np.int64), spread(values, lengths, weights))
+        return transforms.sum_rows(ids.astype(np.int64), spread(values, lengths, weights), stable=False)
 
     # -- checkpoints ----------------------------------------------------------------
     def save(self, op: ops.Save) -> list[Written]:

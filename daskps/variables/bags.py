@@ -195,6 +195,8 @@ class Bags:
         if div is None:
             return sums
         shaped = div.reshape((-1,) + (1,) * (sums.ndim - 1))
+        if not self._empty.any() or self.default_id is not None:  # every divisor > 0
+            return sums / shaped
         with np.errstate(divide="ignore", invalid="ignore"):
             return np.where(shaped > 0, sums / np.where(shaped > 0, shaped, 1), 0).astype(sums.dtype, copy=False)
 
