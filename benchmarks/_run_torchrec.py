@@ -77,7 +77,8 @@ def _train(rank: int, world: int, port: int, steps: int) -> dict:
 
     import _dlrm
 
-    torch.set_num_threads(1)
+    if os.environ.get("DASKPS_BENCH_TORCH_THREADS"):  # e.g. 1: one thread per process (2 processes on 2 cores)
+        torch.set_num_threads(int(os.environ["DASKPS_BENCH_TORCH_THREADS"]))
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     n = steps * _dlrm.BATCH
     train, test = _dlrm.make_data(n)

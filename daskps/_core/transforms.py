@@ -118,7 +118,10 @@ class AdagradTransform(NamedTuple):
         t = param.dtype.type
         lr, decayed = rate_and_decay(self, state.count, param)
         acc = state.accumulator + np.square(grad)
-        step = -(lr * grad / np.sqrt(acc + t(self.epsilon)))
+        denom = acc + t(self.epsilon)
+        np.sqrt(denom, out=denom)
+        step = grad * -lr
+        step /= denom
         return with_decay(param, decayed, step), AdagradState(state.count + 1, acc)
 
 
@@ -409,27 +412,32 @@ def sum_rows(indices: np.ndarray, values: np.ndarray, stable: bool = True) -> tu
     if len(indices) < 2 or bool(np.all(indices[1:] > indices[:-1])):  # already distinct and sorted
         return indices, values
     order = np.argsort(indices, kind="stable" if stable else None)
-    ordered = indices[order]
+    return sum_sorted(indices[order], np.take(values, order, axis=0))
+
+
+def sum_sorted(ordered: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`sum_rows` of indices already sorted (``rows`` in their order)."""
+    if not len(ordered):
+        return ordered, rows
     new_run = np.empty(len(ordered), bool)
     new_run[0] = True
     np.not_equal(ordered[1:], ordered[:-1], out=new_run[1:])
     starts = np.flatnonzero(new_run)
-    taken = np.take(values, order, axis=0)
     if len(starts) == len(ordered):  # no repeats: nothing to add up
-        return ordered, taken
+        return ordered, rows
     counts = np.empty(len(starts), np.intp)
     np.subtract(starts[1:], starts[:-1], out=counts[:-1])
     counts[-1] = len(ordered) - starts[-1]
     multi = np.flatnonzero(counts > 1)
     if len(multi) * 4 > len(starts):  # repeats are common: add every run
-        return ordered[starts], np.add.reduceat(taken, starts, axis=0)
+        return ordered[starts], np.add.reduceat(rows, starts, axis=0)
     # Mostly single rows: copy those, and add up only the runs of repeated rows.
-    out = np.take(taken, starts, axis=0)
+    out = np.take(rows, starts, axis=0)
     lengths = counts[multi]
     at = np.zeros(len(multi), np.intp)  # where each run starts among the picked rows
     np.cumsum(lengths[:-1], out=at[1:])
     pick = np.repeat(starts[multi] - at, lengths) + np.arange(int(lengths.sum()))
-    out[multi] = np.add.reduceat(np.take(taken, pick, axis=0), at, axis=0)
+    out[multi] = np.add.reduceat(np.take(rows, pick, axis=0), at, axis=0)
     return ordered[starts], out
 
 

@@ -37,6 +37,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from daskps._core.bags import BagGrad
 from daskps._core.updates import Refused
 from daskps.errors import PartlyAppliedError
 from daskps.ps import ops
@@ -209,9 +210,15 @@ def _mergeable(held: ops.ApplyGradients, op: ops.ApplyGradients) -> bool:
 
 
 def _copied(obj: Any) -> Any:
-    """``obj`` with every numpy array in it (through lists, tuples and dicts) copied."""
+    """``obj`` with every numpy array in it (through lists, tuples and dicts) copied.
+
+    A :class:`BagGrad` is kept as it is: its arrays are made for it, or kept by
+    a ``Bags`` that never changes them.
+    """
     if isinstance(obj, np.ndarray):
         return obj.copy()
+    if type(obj) is BagGrad:
+        return obj
     if isinstance(obj, (list, tuple)):
         items = [_copied(x) for x in obj]
         return type(obj)(items) if type(obj) in (list, tuple) else type(obj)(*items)

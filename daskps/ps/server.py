@@ -33,7 +33,7 @@ import fsspec
 import numpy as np
 
 from daskps._core import transforms
-from daskps._core.bags import BagGrad, BagMemory, BagRead, check_bags, spread
+from daskps._core.bags import BagGrad, BagMemory, BagRead, check_bags
 from daskps._core.ckpt_io import Written
 from daskps._core.updates import Refused
 from daskps.errors import PartlyAppliedError
@@ -288,7 +288,13 @@ class ParameterServer:
         if values.ndim < 2 or len(values) != len(lengths):
             raise ValueError(f"a pooled gradient for {table.name!r} must have a row per bag ({len(lengths)}), "
                              f"got shape {values.shape}")
-        return transforms.sum_rows(ids.astype(np.int64), spread(values, lengths, weights), stable=False)
+        # Each id's row is its bag's: sort the ids, take their bags' rows in that order, add up repeats.
+        order = np.argsort(ids)
+        bag_of = np.repeat(np.arange(len(lengths)), lengths.astype(np.intp, copy=False))
+        rows = np.take(values, bag_of[order], axis=0)
+        if weights is not None:
+            rows *= weights[order].astype(rows.dtype, copy=False).reshape((-1,) + (1,) * (rows.ndim - 1))
+        return transforms.sum_sorted(ids[order], rows)
 
     # -- checkpoints ----------------------------------------------------------------
     def save(self, op: ops.Save) -> list[Written]:

@@ -135,14 +135,18 @@ class Bags:
         keep = values >= 0
         if w is not None and combiner != "sum":
             keep &= w > 0
-        bag = np.repeat(np.arange(len(lengths)), lengths)
+        bag = None  # each id's bag number, made when needed
         if not keep.all():
+            bag = np.repeat(np.arange(len(lengths)), lengths)
             values, bag, w = values[keep], bag[keep], None if w is None else w[keep]
             lengths = np.bincount(bag, minlength=len(lengths)).astype(np.int64)
         self._empty = lengths == 0
-        if default_id is not None and self._empty.any():
+        self._any_empty = bool(self._empty.any())
+        if default_id is not None and self._any_empty:
+            if bag is None:
+                bag = np.repeat(np.arange(len(lengths)), lengths)
             values, lengths, w, bag = _fill(values, lengths, w, bag, self._empty, int(default_id))
-        self._values, self._lengths, self._weights, self._bag = values, lengths, w, bag
+        self._values, self._lengths, self._weights, self._bag_of = values, lengths, w, bag
         self._splits: dict[tuple, list[_PartBags]] = {}  # by the table's part keys
         self._looked: dict[str, int] = {}  # part key -> token of the last lookup of these bags there
         self._divisor: dict[np.dtype, np.ndarray | None] = {}
@@ -170,11 +174,21 @@ class Bags:
                 f"{'' if self._raw[2] is None else ' weighted'}>")
 
     # -- the trainer's side of a pooled lookup ---------------------------------------------
+    @property
+    def _bag(self) -> np.ndarray:
+        """Each id's bag number."""
+        if self._bag_of is None:
+            self._bag_of = np.repeat(np.arange(len(self._lengths)), self._lengths)
+        return self._bag_of
+
     def divisor(self, dtype: np.dtype) -> np.ndarray | None:
         """What each bag's sum is divided by (``None`` for "sum"; 0 for an empty bag)."""
         if dtype not in self._divisor:
             if self.combiner == "sum":
                 self._divisor[dtype] = None
+            elif self._weights is None:  # the number of ids (or its square root)
+                count = self._lengths.astype(dtype)
+                self._divisor[dtype] = np.sqrt(count) if self.combiner == "sqrtn" else count
             else:
                 w = (np.ones(len(self._values), dtype) if self._weights is None
                      else self._weights.astype(dtype))
@@ -195,7 +209,7 @@ class Bags:
         if div is None:
             return sums
         shaped = div.reshape((-1,) + (1,) * (sums.ndim - 1))
-        if not self._empty.any() or self.default_id is not None:  # every divisor > 0
+        if not self._any_empty or self.default_id is not None:  # every divisor > 0
             return sums / shaped
         with np.errstate(divide="ignore", invalid="ignore"):
             return np.where(shaped > 0, sums / np.where(shaped > 0, shaped, 1), 0).astype(sums.dtype, copy=False)
@@ -380,9 +394,12 @@ def _handles(table: Any) -> list[Any]:
     return [table.handle]
 
 
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
 def _narrow(ids: np.ndarray, limit: int) -> np.ndarray:
     """Row numbers below ``limit`` in the smallest integer type that holds them (4 bytes for most tables)."""
-    return ids.astype(np.int32) if limit <= np.iinfo(np.int32).max else ids
+    return ids.astype(np.int32) if limit <= _INT32_MAX else ids
 
 
 def _lengths_type(lengths: np.ndarray) -> np.ndarray:
