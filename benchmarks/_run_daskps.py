@@ -125,6 +125,7 @@ def _embedding_bytes(strategy, tables, opt, n: int, batches: int = 20) -> dict[s
     what ``embedding_lookup`` and an ``IndexedSlices`` per id move when no id repeats), and as a user
     writes it without pooling (each distinct id's row read, its summed gradient row sent)."""
     import _dlrm
+
     from daskps.ps import protocol
 
     train, _ = _dlrm.make_data(n)

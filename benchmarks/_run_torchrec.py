@@ -63,6 +63,7 @@ def _rank(rank: int, world: int, port: int, steps: int, queue) -> None:
 
 def _train(rank: int, world: int, port: int, steps: int) -> dict:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    import _dlrm
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -74,8 +75,6 @@ def _train(rank: int, world: int, port: int, steps: int) -> dict:
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
-
-    import _dlrm
 
     if os.environ.get("DASKPS_BENCH_TORCH_THREADS"):  # e.g. 1: one thread per process (2 processes on 2 cores)
         torch.set_num_threads(int(os.environ["DASKPS_BENCH_TORCH_THREADS"]))

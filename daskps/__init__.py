@@ -47,6 +47,14 @@ from daskps.variables.variable import ShardedVariable, Variable, read_values
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    if name == "torch":  # needs PyTorch: imported on first use
+        import importlib
+
+        return importlib.import_module("daskps.torch")
+    raise AttributeError(f"module 'daskps' has no attribute {name!r}")
+
 __all__ = [
     "Bags",
     "Checkpoint",

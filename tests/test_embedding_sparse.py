@@ -363,3 +363,26 @@ def test_local_bags_to_indexed_slices_is_tensorflows_gradient():
     dense = np.zeros((ROWS, 3))
     np.add.at(dense, slices.indices, slices.values)
     np.testing.assert_allclose(dense, grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_jax_step_pushes_the_gradient_of_its_pooled_inputs(strategy):
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    init = _table(13)
+    with strategy.scope():
+        table = dps.Variable(init, name="jaxbags")
+        opt = dps.optimizers.SGD(0.5)
+    head = np.random.default_rng(14).normal(size=(3,)).astype(np.float32)
+    y = np.arange(len(LENGTHS), dtype=np.float32)
+
+    def loss(pooled):
+        return jnp.mean((pooled @ head - y) ** 2)
+
+    bags = dps.Bags((VALUES, LENGTHS), WEIGHTS, combiner="sqrtn")
+    pooled = dps.embedding_lookup_sparse(table, bags)
+    grad = jax.grad(loss)(jnp.asarray(pooled))  # a JAX array: taken as it is
+    opt.apply_gradients([(dps.PooledSlices(grad, bags), table)])
+    want_pooled, _ = reference(init, VALUES, LENGTHS, WEIGHTS, "sqrtn")
+    upstream = 2 * ((want_pooled @ head - y)[:, None] * head[None, :]) / len(y)  # d mean((p h - y)^2) / d p
+    _, dense = reference(init, VALUES, LENGTHS, WEIGHTS, "sqrtn", upstream=upstream)
+    np.testing.assert_allclose(table.numpy(), init - 0.5 * dense, rtol=1e-5, atol=1e-5)

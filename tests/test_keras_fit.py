@@ -575,6 +575,49 @@ def test_a_hash_table_layer_trains_as_a_keras_embedding_of_the_same_rows(strateg
                                reference.evaluate([ids, dense], label, verbose=0), rtol=1e-4)
 
 
+def bag_model(table: bool, seed=12):
+    """A bag of up to 5 ids (padded) pooled by mean, and a dense part: pooled on the servers by a hash table
+    layer, or by Keras' Embedding (ids shifted by one, 0 the masked padding) and masked average pooling."""
+    keras.utils.set_random_seed(seed)
+    ids = keras.Input((5,), dtype="int64", name="ids")
+    dense = keras.Input((4,), name="numeric")
+    if table:
+        pooled = dps.keras.EmbeddingTable(4, combiner="mean", name="bags")(ids)
+    else:
+        rows = keras.layers.Embedding(10_001, 4, embeddings_initializer="zeros", mask_zero=True, name="bags")(ids)
+        pooled = keras.layers.GlobalAveragePooling1D()(rows)
+    joined = keras.layers.Concatenate()([pooled, dense])
+    model = keras.Model([ids, dense], keras.layers.Dense(1, activation="sigmoid")(
+        keras.layers.Dense(8, activation="relu")(joined)))
+    model.compile(optimizer=keras.optimizers.Adagrad(0.5), loss="binary_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def test_a_pooling_table_layer_trains_as_keras_masked_average_of_embeddings(strategy, coordinator, one_trainer):
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, 10_000, size=(400, 5)).astype("int64")
+    sizes = rng.integers(1, 6, size=400)
+    ids[np.arange(5) >= sizes[:, None]] = -1  # bags of 1 to 5 ids, padded with -1
+    dense = rng.normal(size=(400, 4)).astype("float32")
+    label = ((np.where(ids >= 0, ids % 3 == 0, False).sum(1) > 0) ^ (dense[:, 0] > 0)).astype("float32")
+    reference = bag_model(table=False)
+    want = reference.fit([ids + 1, dense], label, batch_size=40, epochs=3, shuffle=False, verbose=0)
+    with strategy.scope():
+        model = bag_model(table=True)
+    before = sum(s["bytes_received"] for s in strategy.ps_stats())
+    got = dps.keras.fit(model, [ids, dense], label, batch_size=40, epochs=3, shuffle=False, verbose=0,
+                        coordinator=coordinator)
+    assert_history_close(got, want)
+    table = model.get_layer("bags").table
+    keys, rows = table.export()
+    assert keys.tolist() == np.unique(ids[ids >= 0]).tolist()  # padding made no rows
+    np.testing.assert_allclose(rows, np.asarray(reference.get_layer("bags").embeddings)[keys + 1],
+                               rtol=RTOL, atol=1e-6)
+    assert sum(s["bytes_received"] for s in strategy.ps_stats()) > before
+    np.testing.assert_allclose(model.predict([ids, dense], verbose=0), reference.predict([ids + 1, dense], verbose=0),
+                               rtol=RTOL, atol=1e-5)
+
+
 def test_dropping_the_model_releases_what_it_made_on_servers_and_trainers(client, strategy, coordinator):
     import gc
     import time

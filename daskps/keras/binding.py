@@ -53,10 +53,11 @@ class Binding:
                                   for v in model.non_trainable_variables]
             self.tables = _make_tables(model)
             self.optimizer = optimizer_class(**optimizer_config)
+        self.pooling = {layer.name: layer.combiner for layer in _table_layers(model) if layer.combiner is not None}
         self.train_step = TrainStep(self.trainable, self.non_trainable, self.optimizer, _embedding_positions(model),
-                                    tables=self.tables)
-        self.test_step = TestStep(self.trainable, self.non_trainable, tables=self.tables)
-        self.predict_step = PredictStep(self.trainable, self.non_trainable, tables=self.tables)
+                                    tables=self.tables, pooling=self.pooling)
+        self.test_step = TestStep(self.trainable, self.non_trainable, tables=self.tables, pooling=self.pooling)
+        self.predict_step = PredictStep(self.trainable, self.non_trainable, tables=self.tables, pooling=self.pooling)
         self._model_iterator: Any = None
         self._blob: ModelBlob | None = None
         self._model_dataset: Any = None

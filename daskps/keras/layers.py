@@ -1,5 +1,9 @@
 """``dps.keras.EmbeddingTable``: a hash embedding table on the parameter servers, as a Keras layer.
 
+With ``combiner`` it pools each row of ids (a bag, padded with ids < 0) on
+the servers, as :func:`daskps.embedding_lookup_sparse` does, and its
+gradient goes back as one vector per bag (:class:`daskps.PooledSlices`).
+
 The layer holds no weights in the model: its rows are a
 :class:`daskps.EmbeddingTable` on the servers (any int64 key, rows made on
 first sight, eviction and capacity as that class has them), made when the
@@ -67,18 +71,29 @@ class EmbeddingTable(keras.layers.Layer):
         the servers, so a module-level function or a numpy-only callable.
     admit_after, evict_after_steps, capacity
         As :class:`daskps.EmbeddingTable`.
+    combiner : {"mean", "sum", "sqrtn"}, optional
+        Pool each row of ids (its last axis: a bag, padded with ids < 0)
+        into one vector, as :func:`daskps.embedding_lookup_sparse` does, on
+        the servers: output shape ``ids.shape[:-1] + (dim,)``. The gradient
+        goes back as one vector per bag.
 
     Examples
     --------
     >>> ids = keras.Input((3,), dtype="int64")                       # doctest: +SKIP
     >>> rows = dps.keras.EmbeddingTable(16)(ids)                      # doctest: +SKIP
+    >>> bags = keras.Input((20,), dtype="int64")   # -1 pads           # doctest: +SKIP
+    >>> pooled = dps.keras.EmbeddingTable(16, combiner="mean")(bags)  # doctest: +SKIP
     """
 
     def __init__(self, dim: int, *, initializer: Any = None, admit_after: int = 1,
-                 evict_after_steps: int | None = None, capacity: int | None = None, **kwargs: Any):
+                 evict_after_steps: int | None = None, capacity: int | None = None, combiner: str | None = None,
+                 **kwargs: Any):
         super().__init__(**kwargs)
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
             raise ValueError(f"dim must be a positive integer, got {dim!r}")
+        if combiner not in (None, "mean", "sum", "sqrtn"):
+            raise ValueError(f"combiner must be 'mean', 'sum', 'sqrtn' or None, got {combiner!r}")
+        self.combiner = combiner
         self.dim = dim
         self.initializer = initializer
         self.admit_after = admit_after
@@ -90,11 +105,20 @@ class EmbeddingTable(keras.layers.Layer):
         return dict(initializer=self.initializer, admit_after=self.admit_after,
                     evict_after_steps=self.evict_after_steps, capacity=self.capacity)
 
+    def _out_shape(self, shape: Any) -> tuple[Any, ...]:
+        shape = tuple(shape)
+        if self.combiner is not None:
+            if not shape:
+                raise ValueError(f"EmbeddingTable layer {self.name!r} pools each row of ids: it takes ids of rank "
+                                 ">= 1, got a scalar")
+            shape = shape[:-1]
+        return shape + (self.dim,)
+
     def compute_output_shape(self, input_shape: Any) -> tuple[Any, ...]:
-        return tuple(input_shape) + (self.dim,)
+        return self._out_shape(input_shape)
 
     def compute_output_spec(self, ids: Any) -> Any:
-        return keras.KerasTensor(tuple(ids.shape) + (self.dim,), dtype=self.compute_dtype)
+        return keras.KerasTensor(self._out_shape(ids.shape), dtype=self.compute_dtype)
 
     def call(self, ids: Any) -> Any:
         rows = _ROWS.get()
@@ -103,7 +127,7 @@ class EmbeddingTable(keras.layers.Layer):
         found = _IDS.get()
         if found is not None:
             found[self.name] = ids
-            return keras.ops.zeros(tuple(ids.shape) + (self.dim,), dtype=self.compute_dtype)
+            return keras.ops.zeros(self._out_shape(ids.shape), dtype=self.compute_dtype)
         return self._lookup(ids)
 
     def _lookup(self, ids: Any) -> Any:
@@ -111,17 +135,24 @@ class EmbeddingTable(keras.layers.Layer):
         if self.table is None:
             raise RuntimeError(f"EmbeddingTable layer {self.name!r} has no rows yet: its table is made on the "
                                "parameter servers by the model's first dps.keras.fit, evaluate or predict")
+        from daskps.variables.bags import embedding_lookup_sparse
         from daskps.variables.embedding import embedding_lookup
 
-        table, dtype = self.table, np.dtype(self.compute_dtype)
+        table, dtype, combiner = self.table, np.dtype(self.compute_dtype), self.combiner
 
         def read(i: Any) -> np.ndarray:
-            return np.asarray(embedding_lookup(table, np.asarray(i).astype(np.int64)), dtype)
+            i = np.asarray(i).astype(np.int64)
+            if combiner is None:
+                return np.asarray(embedding_lookup(table, i), dtype)
+            width = i.shape[-1]
+            pooled = embedding_lookup_sparse(table, (i.reshape(-1), np.full(i.size // max(width, 1), width)),
+                                             combiner=combiner)
+            return np.asarray(pooled, dtype).reshape(i.shape[:-1] + (-1,))
 
         if keras.backend.backend() == "jax":
             import jax
 
-            shape = jax.ShapeDtypeStruct(tuple(ids.shape) + (self.dim,), dtype)
+            shape = jax.ShapeDtypeStruct(self._out_shape(ids.shape), dtype)
             return jax.pure_callback(read, shape, ids)
         return keras.ops.convert_to_tensor(read(keras.ops.convert_to_numpy(ids)))
 
@@ -129,7 +160,7 @@ class EmbeddingTable(keras.layers.Layer):
         config = super().get_config()
         # The initializer stays with the table on the servers: copies of the model never make rows.
         config.update(dim=self.dim, admit_after=self.admit_after, evict_after_steps=self.evict_after_steps,
-                      capacity=self.capacity)
+                      capacity=self.capacity, combiner=self.combiner)
         return config
 
 

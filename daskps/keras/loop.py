@@ -489,7 +489,7 @@ def _predict_dask(model: Any, x: Any, batch_size: int | None, coordinator: Clust
     binding.push(model)
     blob = dask.delayed(binding.model_blob(model), traverse=False)
     lazy = da.map_blocks(predict_block, x, blob, binding.trainable, binding.non_trainable, batch_size or 32,
-                         binding.tables, np.empty((0,) + tuple(out.shape[1:]), np.dtype(out.dtype)),
+                         binding.tables, np.empty((0,) + tuple(out.shape[1:]), np.dtype(out.dtype)), binding.pooling,
                          dtype=np.dtype(out.dtype), chunks=(x.chunks[0],) + tuple((d,) for d in out.shape[1:]),
                          drop_axis=list(range(1, x.ndim)) if len(out.shape) < x.ndim else None,
                          new_axis=list(range(x.ndim, len(out.shape))) if len(out.shape) > x.ndim else None,

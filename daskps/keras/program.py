@@ -26,6 +26,7 @@ import numpy as np
 
 from daskps._core.slices import IndexedSlices
 from daskps.keras.backend import build_from, check_backend
+from daskps.variables.bags import PooledSlices
 from daskps.variables.variable import read_values
 
 __all__ = ["ModelBlob", "PredictStep", "StepResult", "TestStep", "TrainStep", "check_backend", "predict_block", "program",
@@ -230,16 +231,33 @@ def program(blob: ModelBlob) -> Any:
 class _Step:
     """Fields every kind of step carries: the model's variables and hash tables on the servers (small handles)."""
 
-    def __init__(self, trainable: list[Any], non_trainable: list[Any], tables: dict[str, Any] | None = None):
+    def __init__(self, trainable: list[Any], non_trainable: list[Any], tables: dict[str, Any] | None = None,
+                 pooling: dict[str, str] | None = None):
         self.trainable = list(trainable)
         self.non_trainable = list(non_trainable)
         self.tables = dict(tables or {})
+        self.pooling = dict(pooling or {})  # layer name -> combiner, for the layers that pool their ids
 
-    def values(self, ids: dict[str, np.ndarray] | None = None) -> tuple[list[np.ndarray], list[np.ndarray], dict]:
-        """The variables' values and the tables' rows for ``ids``, in one round trip per server."""
-        names = sorted(ids or {})
-        assert ids is not None or not names
-        values = read_values(self.trainable + self.non_trainable + [(self.tables[n], ids[n]) for n in names])  # type: ignore[index]
+    def lookups(self, ids: dict[str, np.ndarray]) -> dict[str, Any]:
+        """What to read for each table layer: its ids, or (a pooling layer) its rows of ids as bags."""
+        from daskps.variables.bags import Bags
+
+        out: dict[str, Any] = {}
+        for name, found in ids.items():
+            combiner = self.pooling.get(name)
+            if combiner is None:
+                out[name] = found
+            else:  # a row of ids per bag; ids < 0 (padding) are dropped
+                width = found.shape[-1] if found.ndim else 1
+                out[name] = Bags((found.reshape(-1), np.full(found.size // max(width, 1), width)), combiner=combiner)
+        return out
+
+    def values(self, ids: dict[str, np.ndarray] | None = None,
+               lookups: dict[str, Any] | None = None) -> tuple[list[np.ndarray], list[np.ndarray], dict]:
+        """The variables' values and the tables' rows (or pooled vectors) for ``ids``, in one round trip per server."""
+        lookups = self.lookups(ids or {}) if lookups is None else lookups
+        names = sorted(lookups)
+        values = read_values(self.trainable + self.non_trainable + [(self.tables[n], lookups[n]) for n in names])
         k, m = len(self.trainable), len(self.trainable) + len(self.non_trainable)
         return values[:k], values[k:m], dict(zip(names, values[m:]))
 
@@ -271,8 +289,9 @@ class TrainStep(_Step):
     """
 
     def __init__(self, trainable: list[Any], non_trainable: list[Any], optimizer: Any,
-                 row_wise: tuple[int, ...] = (), tables: dict[str, Any] | None = None):
-        super().__init__(trainable, non_trainable, tables)
+                 row_wise: tuple[int, ...] = (), tables: dict[str, Any] | None = None,
+                 pooling: dict[str, str] | None = None):
+        super().__init__(trainable, non_trainable, tables, pooling)
         self.optimizer = optimizer
         self.row_wise = row_wise
 
@@ -282,13 +301,14 @@ class TrainStep(_Step):
         batches = _batches(data_iterator, payloads)
         for batch in batches:
             prog.build(batch)
-            ids = prog.table_ids(batch)
-            trainable, non_trainable, rows = self.values(ids)
+            lookups = self.lookups(prog.table_ids(batch))
+            trainable, non_trainable, rows = self.values(lookups=lookups)
             grads, row_grads, new_non_trainable, metrics = prog.train(trainable, non_trainable, batch, rows)
             for i in self.row_wise:
                 grads[i] = _rows_of(grads[i])
             names = sorted(row_grads)
-            table_grads = [IndexedSlices(np.asarray(row_grads[n]).reshape(-1, rows[n].shape[-1]), ids[n].ravel())
+            table_grads = [PooledSlices(np.asarray(row_grads[n]), lookups[n]) if n in self.pooling else
+                           IndexedSlices(np.asarray(row_grads[n]).reshape(-1, rows[n].shape[-1]), lookups[n].ravel())
                            for n in names]
             self.optimizer.apply(grads + table_grads, self.trainable + [self.tables[n] for n in names])
             for var, old, new in zip(self.non_trainable, non_trainable, new_non_trainable):
@@ -337,10 +357,10 @@ class PredictStep(_Step):
 
 def predict_block(block: np.ndarray, blob: ModelBlob, trainable: list[Any], non_trainable: list[Any],
                   batch_size: int, tables: dict[str, Any] | None = None,
-                  empty: np.ndarray | None = None) -> np.ndarray:
+                  empty: np.ndarray | None = None, pooling: dict[str, str] | None = None) -> np.ndarray:
     """One partition's predictions, on the trainer computing it, with the servers' weights (read once)."""
     prog = program(blob)
-    step = _Step(trainable, non_trainable, tables)
+    step = _Step(trainable, non_trainable, tables, pooling)
     weights = None
     parts = []
     for i in range(0, len(block), batch_size):
