@@ -1,11 +1,14 @@
 """The main job: a click-through-rate model trained asynchronously, with checkpoints.
 
 The data come from a known "teacher" of the same shape as the student: each
-example has ``NUM_FIELDS`` categorical ids (out of ``VOCAB``) and
-``NUM_DENSE`` dense features; the click probability is
-``sigmoid(sum_f E*[id_f] @ u* + x @ w* + b*)``. The student has a sharded
-embedding table (split over the parameter servers) plus a dense part, trained
-with a server-side Adam optimizer (row-local for the table). Each epoch ends
+example has ``NUM_FIELDS`` categorical ids (out of ``VOCAB``), a multi-hot
+field (a bag of 1 to ``MAX_ITEMS`` recent items out of ``ITEMS``, padded
+with -1) and ``NUM_DENSE`` dense features; the click probability is
+``sigmoid(sum_f E*[id_f] @ u* + mean(I*[items]) @ v* + x @ w* + b*)``. The
+student has a sharded embedding table (split over the parameter servers), an
+item table whose bags are pooled on the servers (``dps.embedding_lookup_sparse``,
+one vector per bag each way) and a dense part, trained with a server-side
+Adam optimizer (row-local for the tables). Each epoch ends
 with a checkpoint; a second run resumes from the latest one. The run checks
 itself: the student's test log-loss should approach the teacher's own (the
 best possible) and its AUC the teacher's.
@@ -46,6 +49,7 @@ import daskps as dps
 VOCAB = 20_000
 NUM_FIELDS = 4
 EMBED_DIM = 4
+ITEMS, MAX_ITEMS = 5_000, 6  # the multi-hot field: bags of 1 to MAX_ITEMS item ids, padded with -1
 NUM_DENSE = 8
 MODELS = ("numpy", "jax", "keras")
 INPUTS = ("generator", "dask")
@@ -80,15 +84,36 @@ def teacher(seed: int) -> dict[str, np.ndarray]:
         "u": rng.normal(size=EMBED_DIM),
         "w": rng.normal(0, 0.5, size=NUM_DENSE),
         "b": np.array(-0.5),
+        "items": rng.normal(0, 1.5, size=(ITEMS, EMBED_DIM)),
+        "v": rng.normal(size=EMBED_DIM),
     }
 
 
-def sample(rng: np.random.Generator, n: int, truth: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``n`` examples: Zipf-like ids, normal dense features, clicks drawn from the teacher."""
+def mean_pool(table: np.ndarray, items: np.ndarray) -> np.ndarray:
+    """The mean of each row's rows of ``table`` (ids < 0 are padding), in numpy: the teacher's pooling."""
+    valid = items >= 0
+    return (table[np.where(valid, items, 0)] * valid[..., None]).sum(axis=1) / valid.sum(axis=1, keepdims=True)
+
+
+def teacher_logit(truth: dict, ids: np.ndarray, items: np.ndarray, x: np.ndarray) -> np.ndarray:
+    return (truth["table"][ids].sum(axis=1) @ truth["u"] + mean_pool(truth["items"], items) @ truth["v"]
+            + x @ truth["w"] + truth["b"])
+
+
+def sample(rng: np.random.Generator, n: int, truth: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``n`` examples: Zipf-like ids, bags of items (padded with -1), normal dense features, clicks drawn
+    from the teacher."""
     ids = np.minimum(rng.zipf(1.3, size=(n, NUM_FIELDS)) - 1, VOCAB - 1).astype(np.int64)
+    items = np.minimum(rng.zipf(1.3, size=(n, MAX_ITEMS)) - 1, ITEMS - 1).astype(np.int64)
+    items[np.arange(MAX_ITEMS) >= rng.integers(1, MAX_ITEMS + 1, size=n)[:, None]] = -1
     x = rng.normal(size=(n, NUM_DENSE)).astype(np.float32)
-    p = _sigmoid(truth["table"][ids].sum(axis=1) @ truth["u"] + x @ truth["w"] + truth["b"])
-    return ids, x, (rng.random(n) < p).astype(np.float32)
+    p = _sigmoid(teacher_logit(truth, ids, items, x))
+    return ids, items, x, (rng.random(n) < p).astype(np.float32)
+
+
+def bags(items: np.ndarray) -> dps.Bags:
+    """The item bags of a batch, to pool by mean on the servers (the -1 padding is dropped)."""
+    return dps.Bags((items.reshape(-1), np.full(len(items), items.shape[1])), combiner="mean")
 
 
 def make_batches(seed: int, worker: int, batch_size: int, stream: int = 0):
@@ -99,24 +124,24 @@ def make_batches(seed: int, worker: int, batch_size: int, stream: int = 0):
         yield sample(rng, batch_size, truth)
 
 
-def _sample_block(seed: int, block: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _sample_block(seed: int, block: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     return sample(np.random.default_rng([seed, 10_000 + block]), n, teacher(seed))
 
 
 def dask_examples(seed: int, rows: int = DASK_ROWS, chunk: int = DASK_CHUNK) -> tuple:
-    """``rows`` of the teacher's examples as Dask Arrays ``(ids, x, y)``, each chunk made on a worker."""
+    """``rows`` of the teacher's examples as Dask Arrays ``(ids, items, x, y)``, each chunk made on a worker."""
     import dask
     import dask.array as da
 
-    parts: list[list] = [[], [], []]
+    parts: list[list] = [[], [], [], []]
     for block, start in enumerate(range(0, rows, chunk)):
         n = min(chunk, rows - start)
         made = dask.delayed(_sample_block, pure=True)(seed, block, n)
-        for i, (shape, dtype) in enumerate((((n, NUM_FIELDS), np.int64), ((n, NUM_DENSE), np.float32),
-                                            ((n,), np.float32))):
+        for i, (shape, dtype) in enumerate((((n, NUM_FIELDS), np.int64), ((n, MAX_ITEMS), np.int64),
+                                            ((n, NUM_DENSE), np.float32), ((n,), np.float32))):
             parts[i].append(da.from_delayed(made[i], shape=shape, dtype=dtype))
-    ids, x, y = (da.concatenate(p) for p in parts)
-    return ids, x, y
+    ids, items, x, y = (da.concatenate(p) for p in parts)
+    return ids, items, x, y
 
 
 def _sigmoid(z):
@@ -126,9 +151,10 @@ def _sigmoid(z):
 sigmoid = _sigmoid  # for the Keras demo (daskps.demo_keras), which is handed this module
 
 
-def forward(rows, u, w, b, ids, x):
-    """Click probabilities; ``rows`` are the embedding rows of ``ids`` (shape ids.shape + (dim,))."""
-    return _sigmoid(rows.sum(axis=1) @ u + x @ w + b)
+def forward(rows, pooled, u, v, w, b, x):
+    """Click probabilities; ``rows`` are the embedding rows of the ids (shape ids.shape + (dim,)),
+    ``pooled`` the mean of each example's item rows."""
+    return _sigmoid(rows.sum(axis=1) @ u + pooled @ v + x @ w + b)
 
 
 def log_loss(p, y) -> float:
@@ -145,18 +171,21 @@ def auc(p, y) -> float:
     return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 
 
-def gradients(rows, u, w, b, ids, x, y):
-    """Mean log-loss gradients: sparse rows for the table, dense for the rest."""
-    pooled = rows.sum(axis=1)
-    g = (forward(rows, u, w, b, ids, x) - y) / len(y)
+def gradients(rows, pooled, u, v, w, b, ids, item_bags, x, y):
+    """Mean log-loss gradients: sparse rows for the table, a vector per bag for the items, dense for the rest."""
+    summed = rows.sum(axis=1)
+    g = (forward(rows, pooled, u, v, w, b, x) - y) / len(y)
     row_grad = np.repeat((g[:, None] * u[None, :])[:, None, :], NUM_FIELDS, axis=1)
     table_grad = dps.IndexedSlices(row_grad.reshape(-1, EMBED_DIM).astype(np.float32), ids.ravel())
-    return table_grad, (pooled.T @ g).astype(np.float32), (x.T @ g).astype(np.float32), np.float32(g.sum())
+    items_grad = dps.PooledSlices((g[:, None] * v[None, :]).astype(np.float32), item_bags)
+    return (table_grad, items_grad, (summed.T @ g).astype(np.float32), (pooled.T @ g).astype(np.float32),
+            (x.T @ g).astype(np.float32), np.float32(g.sum()))
 
 
-def loss_and_gradients(rows, u, w, b, ids, x, y):
+def loss_and_gradients(rows, pooled, u, v, w, b, ids, item_bags, x, y):
     """The batch's log-loss and the gradients of :func:`gradients`, in numpy."""
-    return log_loss(forward(rows, u, w, b, ids, x), y), gradients(rows, u, w, b, ids, x, y)
+    return (log_loss(forward(rows, pooled, u, v, w, b, x), y),
+            gradients(rows, pooled, u, v, w, b, ids, item_bags, x, y))
 
 
 def jax_loss_and_gradients():
@@ -172,16 +201,17 @@ def jax_loss_and_gradients():
     except ImportError as exc:
         raise ImportError(JAX_MISSING) from exc
 
-    def loss(rows, u, w, b, x, y):
-        z = rows.sum(axis=1) @ u + x @ w + b
+    def loss(rows, pooled, u, v, w, b, x, y):
+        z = rows.sum(axis=1) @ u + pooled @ v + x @ w + b
         return jnp.mean(jax.nn.softplus(z) - y * z)  # the log-loss of sigmoid(z)
 
-    value_and_grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+    value_and_grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5)))
 
-    def loss_and_grads(rows, u, w, b, ids, x, y):
-        value, (g_rows, g_u, g_w, g_b) = value_and_grad(rows, u, w, b, x, y)
+    def loss_and_grads(rows, pooled, u, v, w, b, ids, item_bags, x, y):
+        value, (g_rows, g_pooled, g_u, g_v, g_w, g_b) = value_and_grad(rows, pooled, u, v, w, b, x, y)
         table_grad = dps.IndexedSlices(np.asarray(g_rows).reshape(-1, EMBED_DIM), ids.ravel())
-        return float(value), (table_grad, g_u, g_w, g_b)  # JAX arrays: the optimizer takes them as they are
+        items_grad = dps.PooledSlices(g_pooled, item_bags)  # the gradient of the pooled vectors, one per bag
+        return float(value), (table_grad, items_grad, g_u, g_v, g_w, g_b)  # JAX arrays: taken as they are
 
     return loss_and_grads
 
@@ -245,7 +275,9 @@ def _build(config: DemoConfig, client):
     with strategy.scope():
         model = {
             "table": dps.Variable(init_table, shape=(VOCAB, EMBED_DIM), dtype=np.float32, name="table"),
+            "items": dps.Variable(init_table, shape=(ITEMS, EMBED_DIM), dtype=np.float32, name="items"),
             "u": dps.Variable(np.full(EMBED_DIM, 0.1, np.float32), name="u"),
+            "v": dps.Variable(np.full(EMBED_DIM, 0.1, np.float32), name="v"),
             "w": dps.Variable(np.zeros(NUM_DENSE, np.float32), name="w"),
             "b": dps.Variable(np.float32(0.0), name="b"),
         }
@@ -260,9 +292,11 @@ def _train(config: DemoConfig, cluster, log, step_maths) -> dict:
     if config.model == "jax":
         log("gradients: jax.jit(jax.value_and_grad(log-loss)), compiled once per trainer")
     strategy, model, optimizer, train_loss = _build(config, client)
-    table, u, w, b = model["table"], model["u"], model["w"], model["b"]
+    table, items, u, v, w, b = (model[k] for k in ("table", "items", "u", "v", "w", "b"))
     log(f"embedding table {table.shape} in {len(getattr(table, 'variables', [table]))} shards: "
         + ", ".join(v.device.split("/")[3].replace("task:", "ps ") for v in getattr(table, "variables", [table])))
+    log(f"item table {items.shape}: each example's bag of 1-{MAX_ITEMS} items pooled (mean) on the servers, "
+        "one vector per bag each way (dps.embedding_lookup_sparse)")
     ckpt = dps.Checkpoint(model=model, optimizer=optimizer)
     directory = os.path.abspath(config.checkpoint_dir) if "://" not in config.checkpoint_dir else config.checkpoint_dir
     manager = dps.CheckpointManager(ckpt, directory, max_to_keep=3)
@@ -284,22 +318,23 @@ def _train(config: DemoConfig, cluster, log, step_maths) -> dict:
 
     def train_steps(iterator):
         for _ in range(k):
-            ids, x, y = next(iterator)
-            rows = dps.embedding_lookup(table, ids)          # only these rows travel
-            u_now, w_now, b_now = dps.read_values([u, w, b])
-            loss, grads = step_maths(rows, u_now, w_now, b_now, ids, x, y)
-            optimizer.apply_gradients(zip(grads, [table, u, w, b]))  # one call per ps
+            ids, item_ids, x, y = next(iterator)
+            item_bags = bags(item_ids)
+            # One message per server: the ids' rows (only these travel), each bag's pooled item vector
+            # (pooled where the item rows live), and the dense part.
+            rows, pooled, *dense = dps.read_values([(table, ids), (items, item_bags), u, v, w, b])
+            loss, grads = step_maths(rows, pooled, *dense, ids, item_bags, x, y)
+            optimizer.apply_gradients(zip(grads, [table, items, u, v, w, b]))  # one call per ps
             train_loss.update_state(loss)
 
     truth = teacher(seed)
-    ids_t, x_t, y_t = sample(np.random.default_rng([seed, 999]), 20_000, truth)
-    p_best = _sigmoid(truth["table"][ids_t].sum(axis=1) @ truth["u"] + x_t @ truth["w"] + truth["b"])
+    ids_t, items_t, x_t, y_t = sample(np.random.default_rng([seed, 999]), 20_000, truth)
+    p_best = _sigmoid(teacher_logit(truth, ids_t, items_t, x_t))
     best = {"log_loss": log_loss(p_best, y_t), "auc": auc(p_best, y_t)}
 
     def evaluate() -> dict:
-        rows = dps.embedding_lookup(table, ids_t)
-        u_now, w_now, b_now = dps.read_values([u, w, b])
-        p = forward(rows, u_now, w_now, b_now, ids_t, x_t)
+        rows, pooled, *dense = dps.read_values([(table, ids_t), (items, bags(items_t)), u, v, w, b])
+        p = forward(rows, pooled, *dense, x_t)
         return {"log_loss": log_loss(p, y_t), "auc": auc(p, y_t)}
 
     first = evaluate()

@@ -3,7 +3,9 @@
 The same teacher, data and test set as :mod:`daskps.demo`; the student is
 written in Keras: an ``Embedding`` of the ``VOCAB`` ids (the strategy's
 partitioner splits it over the parameter servers; its gradients travel as
-the rows a batch touched), mean-pooled over the fields, plus a dense part,
+the rows a batch touched), mean-pooled over the fields; another for the
+bags of items (ids shifted by one, 0 the masked padding, averaged by a
+masked ``GlobalAveragePooling1D``); and a dense part,
 compiled with Adam and Keras' AUC. Each trainer draws its own batches
 (a per-worker ``dataset_fn``). ``BackupAndRestore`` in the checkpoint
 directory lets a rerun with more epochs go on from the last epoch.
@@ -28,13 +30,18 @@ def keras_model(learning_rate: float, seed: int, demo: Any) -> Any:
 
     keras.utils.set_random_seed(seed)
     ids = keras.Input((demo.NUM_FIELDS,), dtype="int32", name="ids")
+    items = keras.Input((demo.MAX_ITEMS,), dtype="int32", name="items")  # a bag of items + 1, padded with 0
     x = keras.Input((demo.NUM_DENSE,), name="features")
     rows = keras.layers.Embedding(demo.VOCAB, demo.EMBED_DIM, name="table",
                                   embeddings_initializer=keras.initializers.RandomNormal(0.0, 0.01))(ids)
     pooled = keras.layers.GlobalAveragePooling1D(name="pool")(rows)
+    item_rows = keras.layers.Embedding(demo.ITEMS + 1, demo.EMBED_DIM, mask_zero=True, name="item_table",
+                                       embeddings_initializer=keras.initializers.RandomNormal(0.0, 0.01))(items)
+    item_vector = keras.layers.GlobalAveragePooling1D(name="item_pool")(item_rows)
     logits = keras.layers.Add(name="logits")([keras.layers.Dense(1, use_bias=False, name="u")(pooled),
+                                             keras.layers.Dense(1, use_bias=False, name="v")(item_vector),
                                              keras.layers.Dense(1, name="w")(x)])
-    model = keras.Model([ids, x], keras.layers.Activation("sigmoid", name="click")(logits), name="ctr")
+    model = keras.Model([ids, items, x], keras.layers.Activation("sigmoid", name="click")(logits), name="ctr")
     model.compile(optimizer=keras.optimizers.Adam(learning_rate), loss="binary_crossentropy",
                   metrics=[keras.metrics.AUC(name="auc")])
     return model
@@ -42,8 +49,8 @@ def keras_model(learning_rate: float, seed: int, demo: Any) -> Any:
 
 def _dataset_fn(seed: int, batch: int, make_batches: Any):
     def dataset_fn(ctx):
-        for ids, x, y in make_batches(seed, ctx.input_pipeline_id, batch, stream=int(time.time())):
-            yield (ids.astype(np.int32), x), y
+        for ids, items, x, y in make_batches(seed, ctx.input_pipeline_id, batch, stream=int(time.time())):
+            yield (ids.astype(np.int32), (items + 1).astype(np.int32), x), y
 
     return dataset_fn
 
@@ -62,12 +69,13 @@ def train_keras(config: Any, cluster: Any, log: Any, demo: Any) -> dict:
     with strategy.scope():
         model = keras_model(config.learning_rate, config.seed, demo)
     truth = demo.teacher(config.seed)
-    ids_t, x_t, y_t = demo.sample(np.random.default_rng([config.seed, 999]), 20_000, truth)
-    p_best = demo.sigmoid(truth["table"][ids_t].sum(axis=1) @ truth["u"] + x_t @ truth["w"] + truth["b"])
+    ids_t, items_t, x_t, y_t = demo.sample(np.random.default_rng([config.seed, 999]), 20_000, truth)
+    p_best = demo.sigmoid(demo.teacher_logit(truth, ids_t, items_t, x_t))
     best = {"log_loss": demo.log_loss(p_best, y_t), "auc": demo.auc(p_best, y_t)}
 
     def evaluate() -> dict:
-        p = model.predict([ids_t.astype(np.int32), x_t], batch_size=4096, verbose=0)[:, 0]
+        p = model.predict([ids_t.astype(np.int32), (items_t + 1).astype(np.int32), x_t], batch_size=4096,
+                          verbose=0)[:, 0]
         return {"log_loss": demo.log_loss(p, y_t), "auc": demo.auc(p, y_t)}
 
     directory = os.path.abspath(config.checkpoint_dir) if "://" not in config.checkpoint_dir else config.checkpoint_dir
