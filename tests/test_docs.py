@@ -60,6 +60,7 @@ PRINTS = {
     "howto/cluster.md": [r"\[20\. 20\. 20\. 20\.\]\n"],
     "user-guide/security.md": [r"tls://127\.0\.0\.1:\d+\n", r"\[10\. 10\. 10\.\]\n", r"\[0\. 1\. 2\.\]\n"],
     "porting.md": [r"epoch 2: loss 0\.[0-2]"],
+    "user-guide/embeddings.md": [r"loss 0\.69\d -> 0\.[0-5]\d+\n", r"pooled == numpy: True\n"],
     "user-guide/keras.md": [r"\['accuracy', 'learning_rate', 'loss', 'val_accuracy', 'val_loss'\]\n",
                             r"val_accuracy 0\.9\d\n", r"True\n200\n", r"\(2000, 2\) \(500, 500, 500, 500\) 0\.\d+\n", r"\nTrue\n"],
 }
