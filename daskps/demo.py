@@ -333,8 +333,8 @@ def _train(config: DemoConfig, cluster, log, step_maths) -> dict:
     best = {"log_loss": log_loss(p_best, y_t), "auc": auc(p_best, y_t)}
 
     def evaluate() -> dict:
-        rows, pooled, *dense = dps.read_values([(table, ids_t), (items, bags(items_t)), u, v, w, b])
-        p = forward(rows, pooled, *dense, x_t)
+        rows, pooled, u_now, v_now, w_now, b_now = dps.read_values([(table, ids_t), (items, bags(items_t)), u, v, w, b])
+        p = forward(rows, pooled, u_now, v_now, w_now, b_now, x_t)
         return {"log_loss": log_loss(p, y_t), "auc": auc(p, y_t)}
 
     first = evaluate()

@@ -301,12 +301,29 @@ def test_a_gradient_without_its_lookup_sends_the_bags(strategy):
     np.testing.assert_allclose(table.numpy(), init - 3 * grad, rtol=1e-5)
 
 
-def test_a_server_that_lost_the_lookup_says_so_and_changes_nothing(strategy):
+def test_a_gradient_naming_a_lookup_the_server_never_saw_is_dropped_and_counted(strategy):
+    """As after a restore: the server was made again since the lookup (whose rows the restore rolled back)."""
     init = _table(10)
     with strategy.scope():
         table = dps.Variable(init, name="lost")
         opt = dps.optimizers.SGD(1.0)
+    task = int(table.device.split("task:")[1].split("/")[0])
     grad = BagGrad(np.ones((2, 3), np.float32), lane="someone-else", token=12345)
+    protocol.apply_gradients(opt.server_key, [(table.handle, "bags", grad)])
+    np.testing.assert_array_equal(table.numpy(), init)
+    assert strategy.ps_stats()[task]["calls"]["pooled_gradient_from_before_a_restore"] == 1
+
+
+def test_a_server_that_no_longer_holds_a_lookup_says_so_and_changes_nothing(strategy):
+    init = _table(10)
+    with strategy.scope():
+        table = dps.Variable(init, name="forgotten")
+        opt = dps.optimizers.SGD(1.0)
+    bags = dps.Bags((VALUES, LENGTHS))
+    dps.embedding_lookup_sparse(table, bags)  # this process's lane is now known to the server
+    from daskps.variables.bags import _lane
+
+    grad = BagGrad(np.ones((len(LENGTHS), 3), np.float32), lane=_lane(), token=10**9)  # a token never sent
     with pytest.raises(LookupError, match="no longer holds"):
         protocol.apply_gradients(opt.server_key, [(table.handle, "bags", grad)])
     np.testing.assert_array_equal(table.numpy(), init)

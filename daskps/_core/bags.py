@@ -130,12 +130,18 @@ class BagMemory:
         for token in [t for t in kept if t <= read.token - REMEMBERED]:
             del kept[token]
 
-    def find(self, key: str, grad: BagGrad) -> Bag:
-        """The bags of ``grad``: its own, or those of the lookup it names (kept until :meth:`forget`)."""
+    def find(self, key: str, grad: BagGrad) -> Bag | None:
+        """The bags of ``grad``: its own, or those of the lookup it names (kept until :meth:`forget`).
+
+        ``None`` if this server has seen no lookup of ``grad``'s lane for this table: it was made again
+        (restored after a loss) since the lookup, whose rows the restore rolled back anyway.
+        """
         if grad.ids is not None:
             return check_bags(grad.ids, grad.lengths, grad.weights, "pooled gradient")
         kept = self._kept.get((key, str(grad.lane)))
-        if kept is None or grad.token not in kept:
+        if kept is None:
+            return None
+        if grad.token not in kept:
             raise LookupError(f"a pooled gradient names lookup {grad.token} of {grad.lane}, which this server no "
                               "longer holds (was it restarted?); send the bags with the gradient")
         return kept[grad.token]

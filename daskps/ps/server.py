@@ -283,8 +283,12 @@ class ParameterServer:
         """A pooled gradient as ``(distinct ids, summed rows)``: each bag's vector times each id's weight."""
         if type(grad) is not BagGrad:
             raise TypeError(f"a pooled gradient for {table.name!r} must be a BagGrad, got {type(grad).__name__}")
-        ids, lengths, weights = self._bags.find(key, grad)
         values = np.asarray(grad.values)
+        found = self._bags.find(key, grad)
+        if found is None:  # the lookup was made before this server was restored: nothing left to train
+            self.calls["pooled_gradient_from_before_a_restore"] += 1
+            return np.zeros(0, np.int64), np.zeros((0,) + values.shape[1:], values.dtype)
+        ids, lengths, weights = found
         if values.ndim < 2 or len(values) != len(lengths):
             raise ValueError(f"a pooled gradient for {table.name!r} must have a row per bag ({len(lengths)}), "
                              f"got shape {values.shape}")

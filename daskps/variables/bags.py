@@ -10,7 +10,6 @@ per bag, and each server spreads it over its rows (see :mod:`daskps._core.bags`)
 from __future__ import annotations
 
 import itertools
-import numbers
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -20,6 +19,7 @@ from daskps._core.trees import to_numpy
 from daskps._core.updates import coerce_values
 from daskps.ps import protocol
 from daskps.ps.routing import holder_here
+from daskps.variables.embedding import check_max_norm
 from daskps.variables.hashed import EmbeddingTable
 from daskps.variables.variable import ShardedVariable, Variable
 
@@ -105,7 +105,7 @@ class Bags:
                  default_id: int | None = None):
         if combiner not in COMBINERS:
             raise ValueError(f"combiner must be one of {COMBINERS}, got {combiner!r}")
-        _check_max_norm(max_norm)
+        check_max_norm(max_norm)
         if default_id is not None and (isinstance(default_id, (bool, np.bool_))
                                        or not isinstance(default_id, (int, np.integer))):
             raise TypeError(f"default_id must be an int or None, got {default_id!r}")
@@ -368,15 +368,6 @@ def _fill(values: np.ndarray, lengths: np.ndarray, w: np.ndarray | None, bag: np
         new_w[at] = w
         new_w[starts_new[empty]] = 1.0
     return out, filled, new_w, np.repeat(np.arange(len(filled)), filled)
-
-
-def _check_max_norm(max_norm: Any) -> None:
-    if max_norm is None:
-        return
-    if isinstance(max_norm, (bool, np.bool_)) or not isinstance(max_norm, numbers.Real):
-        raise TypeError(f"max_norm must be a positive number or None, got {type(max_norm).__name__} {max_norm!r}")
-    if not float(max_norm) > 0:
-        raise ValueError(f"max_norm must be a positive number or None, got {max_norm!r}")
 
 
 def _check_range(ids: np.ndarray, n: int, name: str) -> np.ndarray:

@@ -43,7 +43,7 @@ def embedding_lookup(params: Any, ids: Any, max_norm: float | None = None, name:
     >>> dps.embedding_lookup(table, [[2, 0], [2, 2]]).shape
     (2, 2, 2)
     """
-    _check_max_norm(max_norm)
+    check_max_norm(max_norm)
     if isinstance(params, (list, tuple)):
         params = params[0] if len(params) == 1 else ShardedVariable(list(params), name="embedding")
     if isinstance(params, EmbeddingTable):
@@ -60,7 +60,7 @@ def embedding_lookup(params: Any, ids: Any, max_norm: float | None = None, name:
     return found
 
 
-def _check_max_norm(max_norm: Any) -> None:
+def check_max_norm(max_norm: Any) -> None:
     """Refuse a ``max_norm`` TensorFlow's ``clip_by_norm`` could not use: it must be a number > 0."""
     if max_norm is None:
         return
