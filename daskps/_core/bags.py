@@ -57,7 +57,8 @@ class BagGrad(NamedTuple):
 
     Either the bags themselves (``ids``, ``lengths``, ``weights``, as in
     :class:`BagRead`), or ``ids`` ``None`` and the ``lane`` and ``token`` of
-    the lookup whose bags these are.
+    the lookup whose bags these are. ``max_norm``: the lookup clipped rows to
+    it, so each row's gradient goes through that clipping (:func:`unclip`).
     """
 
     values: np.ndarray
@@ -66,6 +67,7 @@ class BagGrad(NamedTuple):
     weights: np.ndarray | None = None
     lane: str | None = None
     token: int = 0
+    max_norm: float | None = None
 
 
 def check_bags(ids: Any, lengths: Any, weights: Any, what: str) -> Bag:
@@ -106,6 +108,24 @@ def pool(rows: np.ndarray, lengths: np.ndarray, weights: np.ndarray | None, max_
     starts = np.zeros(len(lengths), np.intp)
     np.cumsum(lengths[:-1], out=starts[1:])
     return np.add.reduceat(rows, starts, axis=0)
+
+
+def unclip(grads: np.ndarray, rows: np.ndarray, max_norm: float) -> np.ndarray:
+    """The gradients of ``rows`` given those of their clipped copies (:func:`clip`): the clipping's Jacobian.
+
+    A row of norm ``n > max_norm`` became ``row * c / n``; its gradient is
+    ``(c / n) * (g - row * (row . g) / n**2)``. Other rows pass ``g`` through.
+    """
+    flat_g, flat_r = grads.reshape(len(grads), -1), rows.reshape(len(rows), -1).astype(np.float64)
+    norms = np.sqrt(np.einsum("ij,ij->i", flat_r, flat_r))
+    over = np.flatnonzero(norms > max_norm)
+    if not len(over):
+        return grads
+    out = flat_g.astype(np.float64)
+    r, n = flat_r[over], norms[over][:, None]
+    g = out[over]
+    out[over] = (max_norm / n) * (g - r * np.einsum("ij,ij->i", r, g)[:, None] / (n * n))
+    return out.astype(grads.dtype).reshape(grads.shape)
 
 
 def spread(values: np.ndarray, lengths: np.ndarray, weights: np.ndarray | None) -> np.ndarray:

@@ -143,6 +143,15 @@ class HashTable(Table):
         uniq, inverse = np.unique(keys, return_inverse=True)
         return bags.pool(self.lookup(uniq)[inverse.ravel()], lengths, weights, max_norm)
 
+    def peek(self, ids: np.ndarray) -> np.ndarray:
+        """Rows of keys ``ids`` (zeros for keys without one), changing nothing."""
+        keys = check_keys(ids, self.name, "ids", one_d=True)
+        rows = self._index.find(keys, mix(keys))
+        out = np.zeros((len(keys), self.spec.dim), self.dtype)
+        held = rows >= 0
+        out[held] = self._values[rows[held]]
+        return out
+
     def _special(self, what: str) -> np.ndarray:
         if what in (KEYS, ROWS):
             live = np.flatnonzero(self._live)

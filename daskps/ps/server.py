@@ -33,7 +33,7 @@ import fsspec
 import numpy as np
 
 from daskps._core import transforms
-from daskps._core.bags import BagGrad, BagMemory, BagRead, check_bags
+from daskps._core.bags import BagGrad, BagMemory, BagRead, check_bags, unclip
 from daskps._core.ckpt_io import Written
 from daskps._core.updates import Refused
 from daskps.errors import PartlyAppliedError
@@ -298,6 +298,8 @@ class ParameterServer:
         rows = np.take(values, bag_of[order], axis=0)
         if weights is not None:
             rows *= weights[order].astype(rows.dtype, copy=False).reshape((-1,) + (1,) * (rows.ndim - 1))
+        if grad.max_norm is not None:  # the lookup clipped the rows: through the clipping, row by row
+            rows = unclip(rows, table.peek(ids[order]), float(grad.max_norm))
         return transforms.sum_sorted(ids[order], rows)
 
     # -- checkpoints ----------------------------------------------------------------

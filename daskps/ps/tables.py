@@ -54,6 +54,10 @@ class Table(abc.ABC):
         """``sum(weight * row)`` of rows ``ids`` over consecutive bags of ``lengths`` (see :mod:`daskps._core.bags`)."""
         raise TypeError(f"table {self.name!r} cannot pool rows")
 
+    def peek(self, ids: np.ndarray) -> np.ndarray:
+        """The rows ``ids`` (valid ones), changing nothing (no clock, no sighting): for a gradient's maths."""
+        raise TypeError(f"table {self.name!r} has no rows to peek at")
+
     @abc.abstractmethod
     def check_update(self, op: str, payload: object) -> object:
         """``payload`` checked for update ``op`` (see :mod:`daskps._core.updates`), ready to apply."""
@@ -169,6 +173,9 @@ class DenseTable(Table):
             raise IndexError(f"ids for variable {self.name!r}: id {ids.max() if ids.max() >= n else ids.min()} "
                              f"is out of range [0, {n})")
         return bags.pool(np.take(self.value, ids, axis=0), lengths, weights, max_norm)
+
+    def peek(self, ids: np.ndarray) -> np.ndarray:
+        return np.take(self.value, ids, axis=0)
 
     def check_update(self, op: str, payload: object) -> object:
         return check_update(self.value.shape, self.value.dtype, self.name, op, payload)

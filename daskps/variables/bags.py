@@ -320,9 +320,10 @@ class Bags:
             key = part.handle.key
             token = self._looked.pop(key, None)
             if token is not None and _LATEST.get(key, 0) - token < REMEMBERED // 2:  # (a margin for other threads)
-                out.append((part.handle, "bags", BagGrad(values[part.bags], lane=lane, token=token)))
+                grad = BagGrad(values[part.bags], lane=lane, token=token, max_norm=self.max_norm)
             else:
-                out.append((part.handle, "bags", BagGrad(values[part.bags], part.ids, part.lengths, part.weights)))
+                grad = BagGrad(values[part.bags], part.ids, part.lengths, part.weights, max_norm=self.max_norm)
+            out.append((part.handle, "bags", grad))
         return out
 
 
@@ -489,10 +490,10 @@ class PooledSlices:
     sends each server one vector per bag (without the ids when the server
     still holds the lookup's bags: it keeps the last few of each process);
     the server multiplies it by each id's weight and the combiner's factor
-    and updates those rows, as the gradient TensorFlow computes for
+    (and, with ``max_norm``, runs it through the clipping of each row it
+    clipped) and updates those rows, as the gradient TensorFlow computes for
     ``safe_embedding_lookup_sparse`` (an ``IndexedSlices`` with a row per
-    id, :meth:`to_indexed_slices`) would. With ``max_norm``, the gradient
-    reaches the rows as if they had not been clipped.
+    id, :meth:`to_indexed_slices`) would.
     """
 
     __slots__ = ("values", "bags")
@@ -506,7 +507,11 @@ class PooledSlices:
         self.values, self.bags = values, bags
 
     def to_indexed_slices(self) -> Any:
-        """The same gradient as TensorFlow gives it: a row per id (weighted, divided by the combiner's divisor)."""
+        """The same gradient as TensorFlow gives it: a row per id (weighted, divided by the combiner's
+        divisor); without ``max_norm`` (the clipping's part needs the rows, which only the servers have)."""
+        if self.bags.max_norm is not None:
+            raise ValueError("to_indexed_slices needs the rows to take the gradient through max_norm's clipping: "
+                             "apply the PooledSlices itself, whose servers do")
         from daskps._core.slices import IndexedSlices
 
         ids, rows = self.bags.per_id(self.bags.finish(self.values))
