@@ -25,7 +25,7 @@ MANIFEST = json.loads(str(FIXTURE["manifest"]))
 
 def reference(table, values, lengths, weights, combiner, default_id=None, max_norm=None, upstream=None):
     """TensorFlow's safe_embedding_lookup_sparse in plain numpy (float64), and the dense gradient of
-    ``sum(result * upstream)`` with respect to ``table`` (rows not clipped: see PooledSlices)."""
+    ``sum(result * upstream)`` with respect to ``table`` (without max_norm: the TF fixtures cover its gradient)."""
     table = np.asarray(table, np.float64)
     n_bags, dim = len(lengths), table.shape[1:]
     out = np.zeros((n_bags,) + dim)
