@@ -312,11 +312,18 @@ class Bags:
         return sq
 
     def gradient_parts(self, table: Any, values: np.ndarray) -> list[tuple[Any, str, BagGrad]]:
-        """``(handle, "bags", BagGrad)`` for each part of ``table`` holding some of the ids (``values``:
-        a row per bag, divided already); a part that still holds this lookup's bags gets no ids."""
+        """``(handle, "bags", BagGrad)`` for each part of ``table`` (``values``: a row per bag, divided
+        already); a part that still holds this lookup's bags gets no ids, one holding none of them an
+        empty gradient (every part counts the same steps, as for ``IndexedSlices``)."""
         lane = _lane()
         out = []
-        for part in self.split(table):
+        parts = {part.handle.key: part for part in self.split(table)}
+        for handle in _handles(table):
+            part = parts.get(handle.key)
+            if part is None:  # no id here: an empty gradient all the same, so that every part counts the step
+                empty = BagGrad(values[:0], np.zeros(0, np.int32), np.zeros(0, np.uint8))
+                out.append((handle, "bags", empty))
+                continue
             key = part.handle.key
             token = self._looked.pop(key, None)
             if token is not None and _LATEST.get(key, 0) - token < REMEMBERED // 2:  # (a margin for other threads)
