@@ -440,3 +440,22 @@ def test_a_checkpoint_restores_what_pooled_gradients_trained_and_the_optimizer_s
     np.testing.assert_array_equal(sv.numpy(), saved)
     step()  # the accumulators came back too: the same step gives the same values
     np.testing.assert_allclose(sv.numpy(), after_one_more, rtol=1e-6)
+
+
+def test_bags_looked_up_here_and_trained_on_a_trainer_carry_their_ids_there(strategy, coordinator):
+    """A Bags pickled into a scheduled function: its lookup was this process's, so the trainer sends the bags."""
+    init = _table(17)
+    with strategy.scope():
+        table = dps.Variable(init, name="travels")
+        opt = dps.optimizers.SGD(1.0)
+    bags = dps.Bags((VALUES, LENGTHS), combiner="sum")
+    dps.embedding_lookup_sparse(table, bags)  # looked up here, in the coordinator's process
+    upstream = np.ones((len(LENGTHS), 3), np.float32)
+
+    def train(bags):
+        opt.apply_gradients([(dps.PooledSlices(upstream, bags), table)])
+
+    coordinator.schedule(train, args=(bags,))
+    coordinator.join()
+    _, grad = reference(init, VALUES, LENGTHS, None, "sum", upstream=upstream)
+    np.testing.assert_allclose(table.numpy(), init - grad, rtol=1e-6)

@@ -148,8 +148,13 @@ class Bags:
             values, lengths, w, bag = _fill(values, lengths, w, bag, self._empty, int(default_id))
         self._values, self._lengths, self._weights, self._bag_of = values, lengths, w, bag
         self._splits: dict[tuple, list[_PartBags]] = {}  # by the table's part keys
-        self._looked: dict[str, int] = {}  # part key -> token of the last lookup of these bags there
+        self._looked: dict[str, tuple[str, int]] = {}  # part key -> (lane, token) of the last lookup here
         self._divisor: dict[np.dtype, np.ndarray | None] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_looked"] = {}  # lookups are this process's: elsewhere the gradient carries the bags
+        return state
 
     # -- what the bags hold --------------------------------------------------------------
     @property
@@ -287,7 +292,7 @@ class Bags:
 
         def assemble(values: list) -> np.ndarray:
             for part in parts:
-                self._looked[part.handle.key] = token
+                self._looked[part.handle.key] = (lane, token)
             if len(parts) == 1 and len(parts[0].bags) == self.num_bags:
                 return self.finish(np.asarray(values[0]))
             sums = np.zeros((self.num_bags,) + row_shape, table.dtype)
@@ -325,7 +330,8 @@ class Bags:
                 out.append((handle, "bags", empty))
                 continue
             key = part.handle.key
-            token = self._looked.pop(key, None)
+            lane_token = self._looked.pop(key, None)
+            token = lane_token[1] if lane_token is not None and lane_token[0] == lane else None  # this process's
             if token is not None and _LATEST.get(key, 0) - token < REMEMBERED // 2:  # (a margin for other threads)
                 grad = BagGrad(values[part.bags], lane=lane, token=token, max_norm=self.max_norm)
             else:
