@@ -459,3 +459,31 @@ def test_bags_looked_up_here_and_trained_on_a_trainer_carry_their_ids_there(stra
     coordinator.join()
     _, grad = reference(init, VALUES, LENGTHS, None, "sum", upstream=upstream)
     np.testing.assert_allclose(table.numpy(), init - grad, rtol=1e-6)
+
+
+def test_edge_cases_the_review_found(strategy):
+    init = _table(18)
+    with strategy.scope():
+        table = dps.Variable(init, name="edges")
+        opt = dps.optimizers.SGD(1.0, clipnorm=1.0)
+        scalar = dps.Variable(np.float32(1.0), name="edges_scalar")
+        adagrad = dps.optimizers.Adagrad(0.1)
+    # nothing to pool, with max_norm and clipping: zeros, and a gradient that changes nothing
+    empty = dps.Bags((np.array([-1]), np.array([1])), max_norm=1.0)
+    np.testing.assert_array_equal(dps.embedding_lookup_sparse(table, empty), np.zeros((1, 3)))
+    none = dps.Bags((np.zeros(0, np.int64), np.zeros(0, np.int64)), max_norm=1.0)
+    assert dps.embedding_lookup_sparse(table, none).shape == (0, 3)
+    opt.apply_gradients([(dps.PooledSlices(np.zeros((0, 3), np.float32), none), table)])
+    np.testing.assert_array_equal(table.numpy(), init)
+    # Adagrad on a 0-d variable (its step once reused an array that a scalar is not)
+    adagrad.apply_gradients([(np.float32(0.5), scalar)])
+    np.testing.assert_allclose(scalar.numpy(), 1.0 - 0.1 * 0.5 / np.sqrt(0.1 + 0.25 + 1e-7), rtol=1e-6)
+    # ids that do not fit int64, NaN weights in a sparse matrix, default_id out of range: refused by name
+    with pytest.raises(ValueError, match="must fit in int64"):
+        dps.Bags((np.array([2**63], np.uint64), np.array([1])))
+    bad = scipy.sparse.csr_matrix(np.array([[np.nan, 1.0]]))
+    with pytest.raises(ValueError, match="must be finite"):
+        dps.Bags(bad)
+    with pytest.raises(IndexError, match="default_id for 'edges': id 10 is out of range"):
+        dps.embedding_lookup_sparse(table, (np.array([1]), np.array([1, 0])), default_id=10)
+    np.testing.assert_array_equal(table.numpy(), init)

@@ -618,6 +618,32 @@ def test_a_pooling_table_layer_trains_as_keras_masked_average_of_embeddings(stra
                                rtol=RTOL, atol=1e-5)
 
 
+def test_a_pooling_table_layer_takes_ids_of_any_rank(strategy, coordinator):
+    """Two bags of 3 ids per example (ids of shape (batch, 2, 3)): a vector per bag, (batch, 2, dim)."""
+    keras.utils.set_random_seed(3)
+    ids = keras.Input((2, 3), dtype="int64")
+    pooled = dps.keras.EmbeddingTable(4, combiner="sum", name="two_bags",
+                                      initializer=keras_free_initializer)(ids)
+    model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(pooled)))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    x = np.random.default_rng(6).integers(-1, 50, size=(64, 2, 3)).astype("int64")
+    y = np.random.default_rng(7).normal(size=(64, 1)).astype("float32")
+    history = dps.keras.fit(model, x, y, batch_size=16, epochs=2, verbose=0, coordinator=coordinator)
+    assert len(history.history["loss"]) == 2
+    on_trainers = dps.keras.predict(model, x, verbose=0, coordinator=coordinator)
+    here = model.predict(x, verbose=0)  # the layer pools through the servers from this process
+    assert on_trainers.shape == (64, 1)
+    np.testing.assert_allclose(on_trainers, here, rtol=1e-5, atol=1e-6)
+    table = model.get_layer("two_bags").table
+    keys, rows = table.export()
+    assert keys.tolist() == np.unique(x[x >= 0]).tolist()
+    assert not np.allclose(rows, 0.01)  # trained
+
+
+def keras_free_initializer(shape, dtype):
+    return np.full(shape, 0.01, dtype)
+
+
 def test_dropping_the_model_releases_what_it_made_on_servers_and_trainers(client, strategy, coordinator):
     import gc
     import time

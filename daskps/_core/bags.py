@@ -88,9 +88,19 @@ def check_bags(ids: Any, lengths: Any, weights: Any, what: str) -> Bag:
     return ids, lengths, weights
 
 
+def check_max_norm(max_norm: Any, what: str) -> float | None:
+    """``max_norm`` as a positive float (or ``None``)."""
+    if max_norm is None:
+        return None
+    value = float(max_norm)
+    if not value > 0:  # NaN too
+        raise ValueError(f"{what}: max_norm must be a positive number, got {max_norm!r}")
+    return value
+
+
 def clip(rows: np.ndarray, max_norm: float) -> np.ndarray:
     """``rows`` (a row per item of axis 0) scaled down to an L2 norm of at most ``max_norm``."""
-    flat = rows.reshape(len(rows), -1)
+    flat = rows.reshape(len(rows), int(np.prod(rows.shape[1:])))
     norms = np.sqrt(np.einsum("ij,ij->i", flat, flat, dtype=np.float64))
     with np.errstate(divide="ignore", invalid="ignore"):
         scale = np.where(norms > max_norm, max_norm / norms, 1.0)
@@ -116,7 +126,8 @@ def unclip(grads: np.ndarray, rows: np.ndarray, max_norm: float) -> np.ndarray:
     A row of norm ``n > max_norm`` became ``row * c / n``; its gradient is
     ``(c / n) * (g - row * (row . g) / n**2)``. Other rows pass ``g`` through.
     """
-    flat_g, flat_r = grads.reshape(len(grads), -1), rows.reshape(len(rows), -1).astype(np.float64)
+    width = int(np.prod(grads.shape[1:]))
+    flat_g, flat_r = grads.reshape(len(grads), width), rows.reshape(len(rows), width).astype(np.float64)
     norms = np.sqrt(np.einsum("ij,ij->i", flat_r, flat_r))
     over = np.flatnonzero(norms > max_norm)
     if not len(over):
@@ -142,11 +153,12 @@ class BagMemory:
     def __init__(self) -> None:
         self._kept: dict[tuple[str, str], dict[int, Bag]] = {}
 
-    def keep(self, key: str, read: BagRead, ids: np.ndarray) -> None:
+    def keep(self, key: str, read: BagRead, bags: Bag) -> None:
+        """Keep the checked ``bags`` of ``read`` for its gradient (nothing for a read without a lane)."""
         if read.lane is None:
             return
-        kept = self._kept.setdefault((key, read.lane), {})
-        kept[read.token] = (ids, read.lengths, read.weights)
+        kept = self._kept.setdefault((key, str(read.lane)), {})
+        kept[int(read.token)] = bags
         for token in [t for t in kept if t <= read.token - REMEMBERED]:
             del kept[token]
 

@@ -49,7 +49,8 @@ def _squared(kind: str, payload: Any) -> Any:
     """The squared L2 norm of a gradient's values as given (a bag's row counted once per id, times its weight)."""
     values = _values(kind, payload)
     if kind == "bags":
-        per_bag = np.sum(np.square(values, dtype=np.float64).reshape(len(values), -1), axis=1)
+        per_bag = np.sum(np.square(values, dtype=np.float64).reshape(len(values), int(np.prod(values.shape[1:]))),
+                         axis=1)
         return np.dot(per_bag, payload.squares)
     return np.sum(np.square(values), dtype=np.float64)  # (float32 squares, as Keras' global norm)
 

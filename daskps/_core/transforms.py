@@ -118,10 +118,7 @@ class AdagradTransform(NamedTuple):
         t = param.dtype.type
         lr, decayed = rate_and_decay(self, state.count, param)
         acc = state.accumulator + np.square(grad)
-        denom = acc + t(self.epsilon)
-        np.sqrt(denom, out=denom)
-        step = grad * -lr
-        step /= denom
+        step = -(lr * grad / np.sqrt(acc + t(self.epsilon)))
         return with_decay(param, decayed, step), AdagradState(state.count + 1, acc)
 
 

@@ -228,6 +228,13 @@ def program(blob: ModelBlob) -> Any:
         return found
 
 
+class _Pooled(NamedTuple):
+    """A pooling layer's bags, and the shape of its output less the row (its ids' shape less the last axis)."""
+
+    bags: Any
+    shape: tuple[int, ...]
+
+
 class _Step:
     """Fields every kind of step carries: the model's variables and hash tables on the servers (small handles)."""
 
@@ -247,9 +254,10 @@ class _Step:
             combiner = self.pooling.get(name)
             if combiner is None:
                 out[name] = found
-            else:  # a row of ids per bag; ids < 0 (padding) are dropped
-                width = found.shape[-1] if found.ndim else 1
-                out[name] = Bags((found.reshape(-1), np.full(found.size // max(width, 1), width)), combiner=combiner)
+            else:  # a bag per row of ids (the last axis); ids < 0 (padding) are dropped
+                bags = int(np.prod(found.shape[:-1]))
+                out[name] = _Pooled(Bags((found.reshape(-1), np.full(bags, found.shape[-1])), combiner=combiner),
+                                    tuple(found.shape[:-1]))
         return out
 
     def values(self, ids: dict[str, np.ndarray] | None = None,
@@ -257,9 +265,12 @@ class _Step:
         """The variables' values and the tables' rows (or pooled vectors) for ``ids``, in one round trip per server."""
         lookups = self.lookups(ids or {}) if lookups is None else lookups
         names = sorted(lookups)
-        values = read_values(self.trainable + self.non_trainable + [(self.tables[n], lookups[n]) for n in names])
+        wanted = [getattr(lookups[n], "bags", lookups[n]) for n in names]
+        values = read_values(self.trainable + self.non_trainable + [(self.tables[n], w) for n, w in zip(names, wanted)])
         k, m = len(self.trainable), len(self.trainable) + len(self.non_trainable)
-        return values[:k], values[k:m], dict(zip(names, values[m:]))
+        rows = {n: v.reshape(lookups[n].shape + v.shape[1:]) if n in self.pooling else v
+                for n, v in zip(names, values[m:])}
+        return values[:k], values[k:m], rows
 
 
 def _batches(data_iterator: Any, payloads: Any) -> list[Any]:
@@ -307,7 +318,8 @@ class TrainStep(_Step):
             for i in self.row_wise:
                 grads[i] = _rows_of(grads[i])
             names = sorted(row_grads)
-            table_grads = [PooledSlices(np.asarray(row_grads[n]), lookups[n]) if n in self.pooling else
+            table_grads = [PooledSlices(np.asarray(row_grads[n]).reshape(lookups[n].bags.num_bags, rows[n].shape[-1]),
+                                        lookups[n].bags) if n in self.pooling else
                            IndexedSlices(np.asarray(row_grads[n]).reshape(-1, rows[n].shape[-1]), lookups[n].ravel())
                            for n in names]
             self.optimizer.apply(grads + table_grads, self.trainable + [self.tables[n] for n in names])

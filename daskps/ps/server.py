@@ -33,7 +33,7 @@ import fsspec
 import numpy as np
 
 from daskps._core import transforms
-from daskps._core.bags import BagGrad, BagMemory, BagRead, check_bags, unclip
+from daskps._core.bags import BagGrad, BagMemory, BagRead, check_bags, check_max_norm, unclip
 from daskps._core.ckpt_io import Written
 from daskps._core.updates import Refused
 from daskps.errors import PartlyAppliedError
@@ -230,9 +230,10 @@ class ParameterServer:
             out = []
             for key, t, index in zip(op.keys, tables, op.indices, strict=True):
                 if type(index) is BagRead:
-                    ids, lengths, weights = check_bags(index.ids, index.lengths, index.weights, f"lookup of {t.name!r}")
-                    out.append(t.pool(ids, lengths, weights, index.max_norm))
-                    self._bags.keep(key, index, ids)
+                    what = f"lookup of {t.name!r}"
+                    bags = check_bags(index.ids, index.lengths, index.weights, what)
+                    out.append(t.pool(*bags, check_max_norm(index.max_norm, what)))
+                    self._bags.keep(key, index, bags)
                 else:
                     out.append(t.read(index, False))
                 if type(index) is np.ndarray:
@@ -284,6 +285,9 @@ class ParameterServer:
         if type(grad) is not BagGrad:
             raise TypeError(f"a pooled gradient for {table.name!r} must be a BagGrad, got {type(grad).__name__}")
         values = np.asarray(grad.values)
+        if values.dtype.kind != "f":
+            raise TypeError(f"a pooled gradient for {table.name!r} must hold floats, got {values.dtype}")
+        max_norm = check_max_norm(grad.max_norm, f"pooled gradient for {table.name!r}")
         found = self._bags.find(key, grad)
         if found is None:  # the lookup was made before this server was restored: nothing left to train
             self.calls["pooled_gradient_from_before_a_restore"] += 1
@@ -298,8 +302,8 @@ class ParameterServer:
         rows = np.take(values, bag_of[order], axis=0)
         if weights is not None:
             rows *= weights[order].astype(rows.dtype, copy=False).reshape((-1,) + (1,) * (rows.ndim - 1))
-        if grad.max_norm is not None:  # the lookup clipped the rows: through the clipping, row by row
-            rows = unclip(rows, table.peek(ids[order]), float(grad.max_norm))
+        if max_norm is not None:  # the lookup clipped the rows: through the clipping, row by row
+            rows = unclip(rows, table.peek(ids[order]), max_norm)
         return transforms.sum_sorted(ids[order], rows)
 
     # -- checkpoints ----------------------------------------------------------------

@@ -10,6 +10,7 @@ per bag, and each server spreads it over its rows (see :mod:`daskps._core.bags`)
 from __future__ import annotations
 
 import itertools
+import threading
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -27,14 +28,16 @@ __all__ = ["Bags", "PooledSlices", "embedding_lookup_sparse"]
 
 COMBINERS = ("sum", "mean", "sqrtn")
 _TOKENS = itertools.count(1)  # names this process's lookups on the servers
-_LATEST: dict[str, int] = {}  # by table part key: the highest token sent to it
-_LANE: list[str] = []
+_LATEST: dict[tuple[str, str], int] = {}  # by (lane, table part key): the highest token sent there
+_HOLDER: list[str] = []
 
 
 def _lane() -> str:
-    if not _LANE:
-        _LANE.append(holder_here())
-    return _LANE[0]
+    """Who looks up, for the servers: this process and thread (a thread's messages to a server stay in order)."""
+    if not _HOLDER:
+        _HOLDER.append(holder_here())
+    holder, thread = _HOLDER[0], threading.get_ident()
+    return holder.replace("@", f".{thread}@", 1) if "@" in holder else f"{holder}.{thread}"
 
 
 def _ints(x: Any, arg: str) -> np.ndarray:
@@ -44,6 +47,8 @@ def _ints(x: Any, arg: str) -> np.ndarray:
         a = a.astype(np.int64)
     if a.dtype.kind not in "iu" or a.ndim != 1:
         raise TypeError(f"{arg} must be a 1-D array of integers, got {a.dtype} of shape {a.shape}")
+    if a.dtype == np.uint64 and a.size and a.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"{arg} must fit in int64, got {a.max()}")
     return a.astype(np.int64, copy=False)
 
 
@@ -120,6 +125,8 @@ class Bags:
             if data.dtype.kind not in "biuf":
                 raise TypeError(f"the stored values of ids (a sparse matrix) are its weights and must be numbers, "
                                 f"got {data.dtype}")
+            if data.dtype.kind == "f" and not np.all(np.isfinite(data)):
+                raise ValueError("the stored values of ids (a sparse matrix) are its weights and must be finite")
             w = None if data.size == 0 or bool(np.all(data == 1)) else data.astype(np.float64)
         else:
             pair = _ragged(ids, "ids")
@@ -154,6 +161,7 @@ class Bags:
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_looked"] = {}  # lookups are this process's: elsewhere the gradient carries the bags
+        state["_splits"] = {}  # (made again where needed: they may hold this process's own variables)
         return state
 
     # -- what the bags hold --------------------------------------------------------------
@@ -250,6 +258,8 @@ class Bags:
             if not table.shape:
                 raise ValueError(f"params {table.name!r} is a scalar: it has no rows to look up")
             n = table.shape[0]
+            if self.default_id is not None and not 0 <= self.default_id < n:
+                raise IndexError(f"default_id for {table.name!r}: id {self.default_id} is out of range [0, {n})")
             _check_range(ids, n, table.name)
             if isinstance(table, ShardedVariable):
                 phys = table.physical(ids)
@@ -286,7 +296,7 @@ class Bags:
         items = []
         for part in parts:
             key = part.handle.key
-            _LATEST[key] = max(_LATEST.get(key, 0), token)
+            _LATEST[lane, key] = max(_LATEST.get((lane, key), 0), token)
             items.append((part, BagRead(part.ids, part.lengths, part.weights, self.max_norm, lane, token)))
         row_shape = (table.dim,) if isinstance(table, EmbeddingTable) else tuple(table.shape[1:])
 
@@ -332,7 +342,7 @@ class Bags:
             key = part.handle.key
             lane_token = self._looked.pop(key, None)
             token = lane_token[1] if lane_token is not None and lane_token[0] == lane else None  # this process's
-            if token is not None and _LATEST.get(key, 0) - token < REMEMBERED // 2:  # (a margin for other threads)
+            if token is not None and _LATEST.get((lane, key), 0) - token < REMEMBERED:
                 grad = BagGrad(values[part.bags], lane=lane, token=token, max_norm=self.max_norm)
             else:
                 grad = BagGrad(values[part.bags], part.ids, part.lengths, part.weights, max_norm=self.max_norm)
