@@ -78,7 +78,9 @@ class Bags:
         as a RaggedTensor of rank 2 does. A sparse matrix (any scipy format,
         read as CSR) has a bag per row: column ``j`` of row ``i`` puts id
         ``j`` in bag ``i`` with its stored value as weight (explicitly
-        stored entries only, repeats kept).
+        stored entries only; a CSR matrix's repeated entries count once
+        each, other formats go through scipy's ``tocsr()``, which adds
+        repeated entries up).
     weights : array of float, or ``(values, row_lengths)``, optional
         One weight per id (with a ragged ``ids``); ``None`` for ones. Not
         with a sparse matrix, whose data are the weights.
