@@ -51,7 +51,7 @@ WORKLOADS = ["dispatch", "dense", "dense_jax", "keras_fit", "keras_fit4", "ctr",
 ONLY_ON = {"dense_jax": ("daskps",), "keras_fit": ("daskps",), "keras_fit4": ("daskps",), "ctr_hash": ("daskps",),
            "dlrm": ("daskps", "tf", "torchrec")}
 STEPS = {"dispatch": 1000, "dense": 1000, "dense_jax": 1000, "keras_fit": 1000, "keras_fit4": 1000, "ctr": 1000,
-         "ctr_hash": 1000, "small": 1000, "dlrm": 400}  # long enough for a steady state (dlrm: ~100,000 examples)
+         "ctr_hash": 1000, "small": 1000, "dlrm": 800}  # long enough for a steady state (dlrm: 204,800 examples)
 STEPS_PER_TRAINER = {"dense": 1000}  # in the scaling mode
 SCALING_STEPS = {"dispatch": 5000}  # in the scaling mode: long enough to time on a big machine
 
