@@ -487,3 +487,43 @@ def test_edge_cases_the_review_found(strategy):
     with pytest.raises(IndexError, match="default_id for 'edges': id 10 is out of range"):
         dps.embedding_lookup_sparse(table, (np.array([1]), np.array([1, 0])), default_id=10)
     np.testing.assert_array_equal(table.numpy(), init)
+
+
+@pytest.mark.parametrize("staleness", [0, 3])
+def test_pooled_steps_on_one_trainer_are_sequential_sgd_with_and_without_staleness(client, strategy, coordinator,
+                                                                                    staleness):
+    """One trainer, its pushes held back (up to 3 steps with staleness): a pooled read still carries them
+    first, so 12 steps give exactly what numpy's sequential SGD gives."""
+    from tests.conftest import set_trainer_slots
+
+    init = _table(19, rows=40, dim=4)
+    with strategy.scope():
+        table = dps.Variable(init, name=f"seq{staleness}")
+        opt = dps.optimizers.SGD(0.2)
+    head = np.random.default_rng(20).normal(size=(4,)).astype(np.float32)
+
+    def step(seed):
+        rng = np.random.default_rng(seed)
+        lengths = rng.integers(0, 6, size=8)
+        bags = dps.Bags((rng.integers(0, 40, size=lengths.sum()), lengths), combiner="mean")
+        pooled = dps.embedding_lookup_sparse(table, bags)
+        g = (pooled @ head)[:, None] * head[None, :] / 8  # d/dp of mean((p . h)^2) / 2
+        opt.apply_gradients([(dps.PooledSlices(g.astype(np.float32), bags), table)])
+
+    set_trainer_slots(client, "worker-1", 0)
+    try:
+        for seed in range(12):
+            coordinator.schedule(step, args=(seed,), staleness=staleness)
+        coordinator.join()
+    finally:
+        set_trainer_slots(client, "worker-1", 1)
+    want = init.astype(np.float64)
+    for seed in range(12):
+        rng = np.random.default_rng(seed)
+        lengths = rng.integers(0, 6, size=8)
+        values = rng.integers(0, 40, size=lengths.sum())
+        pooled, _ = reference(want, values, lengths, None, "mean")
+        g = (pooled @ head)[:, None] * head[None, :] / 8
+        _, dense = reference(want, values, lengths, None, "mean", upstream=g)
+        want = want - 0.2 * dense
+    np.testing.assert_allclose(table.numpy(), want, rtol=1e-5, atol=1e-6)
