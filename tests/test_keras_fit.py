@@ -540,10 +540,15 @@ def ctr_model(table: bool, seed=11):
         rows = dps.keras.EmbeddingTable(4, name="rows")(ids)
     else:
         rows = keras.layers.Embedding(10_000, 4, embeddings_initializer="zeros", name="rows")(ids)
-    joined = keras.layers.Concatenate()([keras.layers.Flatten()(rows), dense])
+    return _clicks(ids, dense, keras.layers.Flatten()(rows), keras.optimizers.SGD(0.5))
+
+
+def _clicks(ids, dense, features, optimizer):
+    """The click model of the table-layer tests: the ids' features beside the dense part, two Dense layers."""
+    joined = keras.layers.Concatenate()([features, dense])
     model = keras.Model([ids, dense], keras.layers.Dense(1, activation="sigmoid")(
         keras.layers.Dense(8, activation="relu")(joined)))
-    model.compile(optimizer=keras.optimizers.SGD(0.5), loss="binary_crossentropy", metrics=["accuracy"])
+    model.compile(optimizer=optimizer, loss="binary_crossentropy", metrics=["accuracy"])
     return model
 
 
@@ -586,11 +591,7 @@ def bag_model(table: bool, seed=12):
     else:
         rows = keras.layers.Embedding(10_001, 4, embeddings_initializer="zeros", mask_zero=True, name="bags")(ids)
         pooled = keras.layers.GlobalAveragePooling1D()(rows)
-    joined = keras.layers.Concatenate()([pooled, dense])
-    model = keras.Model([ids, dense], keras.layers.Dense(1, activation="sigmoid")(
-        keras.layers.Dense(8, activation="relu")(joined)))
-    model.compile(optimizer=keras.optimizers.Adagrad(0.5), loss="binary_crossentropy", metrics=["accuracy"])
-    return model
+    return _clicks(ids, dense, pooled, keras.optimizers.Adagrad(0.5))
 
 
 def test_a_pooling_table_layer_trains_as_keras_masked_average_of_embeddings(strategy, coordinator, one_trainer):
