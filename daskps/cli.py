@@ -14,17 +14,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="daskps", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
-        "demo", help="train a CTR model (sharded embeddings) on a local parameter-server cluster; reruns resume"
+        "demo", help="train a CTR model (sharded embeddings) on a local parameter-server cluster; reruns resume",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     defaults = DemoConfig()
-    demo.add_argument("--num-ps", type=int, default=defaults.num_ps)
-    demo.add_argument("--num-workers", type=int, default=defaults.num_workers)
-    demo.add_argument("--epochs", type=int, default=defaults.epochs)
-    demo.add_argument("--steps-per-epoch", type=int, default=defaults.steps_per_epoch)
+    demo.add_argument("--num-ps", type=int, default=defaults.num_ps, help="parameter servers")
+    demo.add_argument("--num-workers", type=int, default=defaults.num_workers, help="trainers")
+    demo.add_argument("--epochs", type=int, default=defaults.epochs,
+                      help="train up to this epoch (a rerun goes on from the latest checkpoint's)")
+    demo.add_argument("--steps-per-epoch", type=int, default=defaults.steps_per_epoch, help="batches per epoch")
     demo.add_argument("--checkpoint-dir", default=defaults.checkpoint_dir,
                       help="where checkpoints go (any fsspec URL); a rerun resumes from the latest")
-    demo.add_argument("--kill-ps", type=int, default=None, metavar="EPOCH",
-                      help="SIGKILL parameter server ps-0 part-way through this epoch, to watch it be recovered")
+    demo.add_argument("--kill-ps-in-epoch", "--kill-ps", dest="kill_ps", type=int, default=None, metavar="EPOCH",
+                      help="SIGKILL parameter server ps-0 part-way through epoch EPOCH (an epoch number: ps-0 is "
+                           "always the server killed), to watch it be recovered; the epoch must be one this run "
+                           "trains")
     demo.add_argument("--model", choices=MODELS, default=defaults.model,
                       help="gradients by hand in numpy (the default), from a jitted jax.value_and_grad, or the "
                            "same model written in Keras and trained with dps.keras.fit")

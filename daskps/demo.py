@@ -305,6 +305,12 @@ def _train(config: DemoConfig, cluster, log, step_maths) -> dict:
     done = ckpt.save_counter if restored else 0
     if restored:
         log(f"resumed from {restored} (epoch {done}, optimizer step {int(optimizer.iterations.numpy())})")
+    kill = config.kill_ps_at_epoch
+    if kill is not None and not done < kill <= config.epochs:
+        runs = f"epochs {done + 1}-{config.epochs}" if done < config.epochs else "no epoch"
+        log(f"--kill-ps-in-epoch {kill}: nothing is killed, as this run trains {runs} (the latest checkpoint has "
+            f"{done} epochs). Pass an epoch in that range with a larger --epochs (e.g. --epochs {max(done, kill) + 1} "
+            f"--kill-ps-in-epoch {done + 1}), or a new --checkpoint-dir to start afresh")
     seed, batch, k = config.seed, config.batch_size, config.steps_per_call
     if config.input == "dask":
         examples = dask_examples(seed)

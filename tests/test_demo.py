@@ -113,7 +113,7 @@ def test_example_script_trains(tmp_path):
 
 
 def test_demo_survives_a_killed_parameter_server(fresh_cluster, tmp_path):
-    """`daskps demo --kill-ps 2`: ps-0 SIGKILLed part-way through epoch 2; training goes on from ckpt-1."""
+    """`daskps demo --kill-ps-in-epoch 2`: ps-0 SIGKILLed part-way through epoch 2; training goes on from ckpt-1."""
     cluster, _ = fresh_cluster
     lines = []
     result = run_demo(DemoConfig(epochs=3, steps_per_epoch=60, kill_ps_at_epoch=2,
@@ -156,3 +156,16 @@ def test_demo_logdir_without_tensorboardx_is_refused_before_any_cluster_starts()
     assert 'error: --logdir: writing TensorBoard event files needs tensorboardX: pip install ".[tensorboard]" in the daskps checkout' \
         in run.stderr
     assert "starting a LocalPSCluster" not in run.stdout
+
+
+def test_a_kill_epoch_this_run_does_not_train_is_said_and_nothing_is_killed(cluster, tmp_path):
+    """After 2 epochs, `--epochs 2 --kill-ps-in-epoch 2` trains nothing: the demo says why and what to pass."""
+    directory = str(tmp_path / "ckpts")
+    run_demo(DemoConfig(epochs=2, steps_per_epoch=20, checkpoint_dir=directory), cluster=cluster, log=lambda _: None)
+    lines = []
+    result = run_demo(DemoConfig(epochs=2, steps_per_epoch=20, checkpoint_dir=directory, kill_ps_at_epoch=2),
+                      cluster=cluster, log=lines.append)
+    assert result["epochs_trained"] == 0
+    said = [line for line in lines if line.startswith("--kill-ps-in-epoch 2: nothing is killed")]
+    assert said and "trains no epoch" in said[0] and "--epochs 3 --kill-ps-in-epoch 3" in said[0], lines
+    assert not any(line.startswith("killing ps-0") for line in lines)

@@ -739,13 +739,25 @@ def test_a_function_that_failed_part_way_runs_again_in_full(fresh_cluster, tmp_p
 
 
 def test_demo_kill_ps_flag_reaches_the_demo(monkeypatch):
-    """README: `daskps demo --kill-ps 2` SIGKILLs ps-0 part-way through epoch 2.  That the demo then recovers and
+    """README: `daskps demo --kill-ps-in-epoch 2` SIGKILLs ps-0 part-way through epoch 2.  That the demo then recovers and
     trains on is tested with a real kill in test_demo.py::test_demo_survives_a_killed_parameter_server (run_demo
     with kill_ps_at_epoch=2); here, that the command's flag is what sets it."""
     from daskps import cli
 
     got = []
     monkeypatch.setattr(cli, "run_demo", lambda config: got.append(config) or {"epochs_trained": 0})
-    assert cli.main(["demo", "--kill-ps", "2"]) == 0
+    assert cli.main(["demo", "--kill-ps-in-epoch", "2"]) == 0
+    assert cli.main(["demo", "--kill-ps", "3"]) == 0  # the older spelling still works
     assert cli.main(["demo"]) == 0
-    assert [c.kill_ps_at_epoch for c in got] == [2, None]
+    assert [c.kill_ps_at_epoch for c in got] == [2, 3, None]
+
+
+def test_demo_help_shows_every_default_and_what_the_kill_flag_takes(capsys):
+    from daskps import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--kill-ps-in-epoch EPOCH, --kill-ps EPOCH" in out and "an epoch number" in out
+    for default in ("(default: 6)", "(default: 120)", "(default: daskps-demo-checkpoints)", "(default: numpy)"):
+        assert default in out, default
