@@ -383,8 +383,10 @@ def test_ps_death_raises_ps_unavailable(fresh_cluster):
 def test_a_variable_made_outside_the_scope_is_refused(strategy, coordinator):
     local = dps.Variable([0.0], name="local_w")
     loss = dps.metrics.Mean(name="loss")  # also outside the scope: its state is local
-    with pytest.raises(ValueError, match=r"'local_w' was created outside strategy.scope\(\)"):
+    with pytest.raises(ValueError, match=r"'local_w' was created outside strategy.scope\(\)") as raised:
         coordinator.schedule(lambda: local.assign_add([1.0]))
+    # the message first: no internal error chained before it (a cache lookup's KeyError once was)
+    assert raised.value.__context__ is None and raised.value.__cause__ is None
     with pytest.raises(ValueError, match="outside strategy.scope"):
         coordinator.schedule(lambda x: loss.update_state(x), args=(1.0,))
     with pytest.raises(ValueError, match="outside strategy.scope"):

@@ -143,9 +143,12 @@ def _pickle(obj: Any, what: str) -> tuple[bytes, list[Any]]:
 
 def _pickle_closure(fn: Callable[..., Any], args: tuple, kwargs: dict, name: str) -> tuple[tuple[bytes, bytes], list]:
     """``(pickled fn, pickled (args, kwargs))`` and what must stay alive until the function has run."""
-    try:
-        fn_blob, fn_kept = _PICKLED_FUNCTIONS[fn]
-    except (KeyError, TypeError):  # not seen yet, or not weak-referenceable (then not cached)
+    cached = None
+    with contextlib.suppress(TypeError):  # not weak-referenceable: then not cached
+        cached = _PICKLED_FUNCTIONS.get(fn)
+    if cached is not None:
+        fn_blob, fn_kept = cached
+    else:  # not seen yet (pickled outside any handler: an error it raises carries no lookup's KeyError)
         fn_blob, fn_kept = _pickle(fn, f"the function {name!r}")
         with contextlib.suppress(TypeError):
             _PICKLED_FUNCTIONS[fn] = (fn_blob, fn_kept)
