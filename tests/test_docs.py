@@ -45,7 +45,8 @@ CONSOLE = {"howto/cluster.md": 0, "user-guide/security.md": 0}
 CONSOLE_READY = {"howto/cluster.md": ("cluster.json", 4), "user-guide/security.md": ("tls-cluster.json", 2)}
 # Pages that need an optional library: skipped, saying so, where it is missing.
 NEEDS = {"user-guide/models.md": ["jax", "torch", "keras"], "user-guide/keras.md": ["jax", "keras", "dask.array"], "user-guide/datasets.md": ["dask.dataframe", "pyarrow"],
-         "user-guide/security.md": ["cryptography"], "user-guide/dashboard.md": ["tensorboardX"]}
+         "user-guide/security.md": ["cryptography"], "user-guide/dashboard.md": ["tensorboardX"],
+         "howto/export.md": ["torch", "keras", "jax"]}
 
 # What some pages print, as their comments say (a page that runs but prints otherwise is wrong too).
 PRINTS = {
@@ -61,6 +62,8 @@ PRINTS = {
     "user-guide/security.md": [r"tls://127\.0\.0\.1:\d+\n", r"\[10\. 10\. 10\.\]\n", r"\[0\. 1\. 2\.\]\n"],
     "porting.md": [r"epoch 2: loss 0\.[0-2]"],
     "user-guide/embeddings.md": [r"loss 0\.69\d -> 0\.[0-5]\d+\n", r"pooled == numpy: True\n"],
+    "howto/export.md": [r"torch: True\n", r"keras: True\n", r"jax: True 6\.0\n", r"shards: 2\n",
+                        r"from the checkpoint: \[10\.0, 11\.0\] \[0\.5, -0\.5\]\n"],
     "user-guide/keras.md": [r"\['accuracy', 'learning_rate', 'loss', 'val_accuracy', 'val_loss'\]\n",
                             r"val_accuracy 0\.9\d\n", r"True\n200\n", r"\(2000, 2\) \(500, 500, 500, 500\) 0\.\d+\n", r"\nTrue\n"],
 }
