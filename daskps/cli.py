@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--logdir", default=None,
                       help="write TensorBoard scalars here (train loss, examples/s, test log-loss and AUC); "
                            'needs pip install ".[tensorboard]" in the daskps checkout')
+    demo.add_argument("--keep-open", action="store_true",
+                      help="after training, keep the cluster and its dashboard up until Ctrl-C")
     args = parser.parse_args(argv)
     if args.model == "jax" and importlib.util.find_spec("jax") is None:
         demo.error(JAX_MISSING)
@@ -61,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model,
         input=args.input,
         logdir=args.logdir,
+        keep_open=args.keep_open,
     )
     result = run_demo(config)
     learned = result["epochs_trained"] == 0 or result["log_loss"] < result["start_log_loss"]

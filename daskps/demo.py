@@ -75,6 +75,7 @@ class DemoConfig:
     model: str = "numpy"  # how gradients are computed: "numpy" (by hand) or "jax" (jax.value_and_grad)
     input: str = "generator"  # where batches come from: a generator per trainer, or "dask" (dps.data.from_dask)
     logdir: str | None = None  # TensorBoard scalars go here (dps.summary.ScalarLogger; needs tensorboardX)
+    keep_open: bool = False  # after training, keep the cluster (its own) and its dashboard up until Ctrl-C
 
 
 def teacher(seed: int) -> dict[str, np.ndarray]:
@@ -237,11 +238,30 @@ def run_demo(config: DemoConfig = DemoConfig(), cluster=None, log=print) -> dict
         if config.model == "keras":
             from daskps.demo_keras import train_keras
 
-            return train_keras(config, cluster, log, sys.modules[__name__])
-        return _train(config, cluster, log, step_maths)
+            result = train_keras(config, cluster, log, sys.modules[__name__])
+        else:
+            result = _train(config, cluster, log, step_maths)
+        if own and config.keep_open:
+            _keep_open(cluster, log)
+        return result
     finally:
         if own:
             cluster.close()
+
+
+def _keep_open(cluster, log) -> None:
+    """Wait for Ctrl-C, the cluster and its dashboard up meanwhile."""
+    log(f"training done; the cluster and its dashboard stay up until Ctrl-C: {dashboard_of(cluster)}")
+    try:
+        while True:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        log("Ctrl-C: closing the cluster")
+
+
+def dashboard_of(cluster) -> str:
+    """daskps' page of ``cluster`` (Dask's own pages are a click away), or Dask's link for another cluster."""
+    return getattr(cluster, "daskps_link", None) or str(cluster.dashboard_link)
 
 
 def _kill_ps(client, coordinator, after: int, log) -> None:
@@ -288,7 +308,7 @@ def _build(config: DemoConfig, client):
 
 def _train(config: DemoConfig, cluster, log, step_maths) -> dict:
     client = cluster.get_client()
-    log(f"dashboard: {cluster.dashboard_link}")
+    log(f"dashboard: {dashboard_of(cluster)}")
     if config.model == "jax":
         log("gradients: jax.jit(jax.value_and_grad(log-loss)), compiled once per trainer")
     strategy, model, optimizer, train_loss = _build(config, client)

@@ -63,7 +63,7 @@ def train_keras(config: Any, cluster: Any, log: Any, demo: Any) -> dict:
     import keras
 
     client = cluster.get_client()
-    log(f"dashboard: {cluster.dashboard_link}")
+    log(f"dashboard: {demo.dashboard_of(cluster)}")
     partitioner = dps.partitioners.MinSizePartitioner(min_shard_bytes=64 << 10, max_shards=config.num_ps)
     strategy = dps.ParameterServerStrategy(client, variable_partitioner=partitioner)
     with strategy.scope():

@@ -169,3 +169,36 @@ def test_a_kill_epoch_this_run_does_not_train_is_said_and_nothing_is_killed(clus
     said = [line for line in lines if line.startswith("--kill-ps-in-epoch 2: nothing is killed")]
     assert said and "trains no epoch" in said[0] and "--epochs 3 --kill-ps-in-epoch 3" in said[0], lines
     assert not any(line.startswith("killing ps-0") for line in lines)
+
+
+def test_keep_open_keeps_the_dashboard_up_until_ctrl_c(tmp_path):
+    """`daskps demo --keep-open`: after training, daskps' page answers until SIGINT, then the demo ends cleanly."""
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    cmd = [sys.executable, "-c", "import sys; from daskps.cli import main; sys.exit(main(sys.argv[1:]))", "demo",
+           "--epochs", "1", "--steps-per-epoch", "8", "--keep-open", "--checkpoint-dir", str(tmp_path / "ckpts")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    lines = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+            if "stay up until Ctrl-C" in line:
+                break
+        link = re.search(r"(http://127\.0\.0\.1:\d+/individual-daskps)", lines[-1]).group(1)
+        assert any(f"dashboard: {link}" in line for line in lines)  # the page, printed as training started
+        with urllib.request.urlopen(link, timeout=30) as page:  # still up after training
+            assert page.status == 200 and b"daskps" in page.read()
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "Ctrl-C: closing the cluster" in out and proc.returncode == 0, out[-2000:]

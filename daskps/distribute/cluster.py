@@ -139,6 +139,15 @@ class LocalPSCluster(SpecCluster):
             _start_explaining_unguarded_script(
                 functools.partial(super().__init__, workers=workers, scheduler=scheduler, worker=spec("worker"),
                                   **kwargs))
+        link = self.daskps_link
+        if link:  # where to look, at once (stderr: a script's own output stays its own)
+            print(f"daskps dashboard: {link}", file=sys.stderr, flush=True)
+
+    @property
+    def daskps_link(self) -> str | None:
+        """The link to daskps' page of this cluster's servers and trainers (``/individual-daskps``), or
+        ``None`` without a dashboard."""
+        return daskps_page(self.dashboard_link)
 
     # Dask's monitors (loop health ticks, resource sampling, memory polling, the statistical
     # profiler sampling each worker every 10 ms) cost a quarter of a core on an idle 2 ps + 2
@@ -230,6 +239,14 @@ def _leave_worker_process() -> NoReturn:
     if not mark:
         raise RuntimeError(_unguarded_message())
     raise SystemExit(1)
+
+
+def daskps_page(dashboard_link: str | None) -> str | None:
+    """daskps' page on the dashboard at ``dashboard_link`` (Dask's ``.../status``)."""
+    if not dashboard_link:
+        return None
+    base = dashboard_link[: -len("/status")] if dashboard_link.endswith("/status") else dashboard_link.rstrip("/")
+    return f"{base}/individual-daskps"
 
 
 def _start_explaining_unguarded_script(start: Callable[[], None]) -> None:
