@@ -285,3 +285,24 @@ def test_the_values_also_reach_the_scheduler_for_the_dashboard(strategy, coordin
     values = events[0]["values"]
     assert set(values) == {"daskps/functions_per_second", "daskps/failed", "seven"}
     assert values["seven"] == 7.0 and values["daskps/failed"] == 0.0 and values["daskps/functions_per_second"] > 0
+
+
+def test_a_mean_with_no_value_since_its_reset_is_left_out_not_written_as_zero(strategy, coordinator, tmp_path):
+    """As the demo resets its train loss each epoch: a write between the reset and the next update has no loss."""
+    with strategy.scope():
+        loss = dps.metrics.Mean(name="reset_loss")
+        total = dps.metrics.Sum(name="reset_total")
+    logger = dps.summary.ScalarLogger(coordinator, tmp_path, {"loss": loss, "total": total, "none": lambda: None},
+                                      every_n_steps=1)
+    loss.update_state(3.0)
+    logger.write(1)
+    loss.reset_state()
+    total.reset_state()
+    logger.write(2)  # after the reset, before any update
+    loss.update_state(5.0)
+    logger.write(3)
+    logger.stop()
+    scalars = read_scalars(tmp_path)
+    assert scalars["loss"] == [(1, 3.0), (3, 5.0)]  # a gap at step 2, not a 0
+    assert [s for s, _ in scalars["total"]] == [1, 2, 3]  # a sum of nothing is 0, a value
+    assert "none" not in scalars

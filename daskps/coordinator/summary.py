@@ -30,6 +30,14 @@ TENSORBOARD_MISSING = ('writing TensorBoard event files needs tensorboardX: pip 
                        "(or pass a writer of your own with an add_scalar(tag, value, step) method)")
 
 
+def _value(metric: Any) -> float | None:
+    """A metric's value, or ``None`` while it has none (``value_if_any``, or a function returning ``None``)."""
+    if callable(getattr(metric, "value_if_any", None)):
+        return metric.value_if_any()
+    value = metric.result() if callable(getattr(metric, "result", None)) else metric()
+    return None if value is None else float(value)
+
+
 def create_file_writer(logdir: str | os.PathLike[str]) -> Any:
     """A ``tensorboardX.SummaryWriter`` for ``logdir``: ``add_scalar(tag, value, step)``, ``flush()``, ``close()``."""
     try:
@@ -54,7 +62,10 @@ class ScalarLogger:
         (``/individual-daskps-metrics``).
     metrics : dict, optional
         Tag -> a ``dps.metrics`` object (its ``result()``) or a function of
-        no arguments returning a number.
+        no arguments returning a number. A metric with no value yet (a
+        ``Mean`` of nothing, as after ``reset_state()``; a function returning
+        ``None``) is left out of that write, not written as 0: the plot
+        shows a gap.
     every_n_steps : int
         Scheduled functions completed between two writes (the step of a
         write is the number completed then).
@@ -157,7 +168,10 @@ class ScalarLogger:
                 scalars["daskps/examples_per_second"] = rate * float(self.examples_per_step)
             for tag, metric in self.metrics.items():
                 try:
-                    scalars[tag] = float(metric.result() if callable(getattr(metric, "result", None)) else metric())
+                    value = _value(metric)
+                    if value is None:  # no value yet (a mean of nothing since its reset): left out, not 0
+                        continue
+                    scalars[tag] = value
                 except Exception as exc:
                     if tag not in self._unreadable:
                         self._unreadable.add(tag)

@@ -77,6 +77,11 @@ class Metric:
     def result(self) -> Result:
         raise NotImplementedError
 
+    def value_if_any(self) -> float | None:
+        """The result as a float, or ``None`` while it has no value (a mean of nothing, since a reset):
+        what a logger shows as a gap rather than a 0."""
+        return float(self.result())
+
     def update_state(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError
 
@@ -127,6 +132,10 @@ class Mean(Metric):
     def result(self) -> Result:
         total, count = read_values(self._state)
         return _result(total / count if count else 0.0, self.dtype)
+
+    def value_if_any(self) -> float | None:
+        total, count = read_values(self._state)
+        return float(_result(total / count, self.dtype)) if count else None
 
 
 class Accuracy(Mean):
