@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import collections
 import inspect
+import linecache
+import os
 import pickle
 import threading
+import types
 from typing import Any
 
 import cloudpickle
@@ -95,3 +98,70 @@ class FunctionCache:
 
     def __len__(self) -> int:
         return len(self._functions)
+
+
+# -- where a scheduled function's code came from ----------------------------------------------------
+_MAX_SOURCE = 64 << 10  # bytes of a function's source sent along at most
+
+
+class Located:
+    """A function pickled with where its code came from.
+
+    cloudpickle names the file of the code it pickles ``<dynamic-code>``, so
+    a traceback from a trainer would say ``File "<dynamic-code>", line 13``.
+    Unpickled, this is the function itself, its code (nested functions'
+    too) naming the file it was written in again, and that file's lines in
+    ``linecache`` where the file is not there (another machine): tracebacks
+    show the user's file, line and source.
+    """
+
+    def __init__(self, fn: types.FunctionType):
+        self.fn = fn
+        self.origins: dict[tuple[str, int], str] = {}
+        for code in _codes(fn.__code__):
+            if not code.co_filename.startswith("<"):
+                self.origins[code.co_name, code.co_firstlineno] = code.co_filename
+        # The lines of the function's own code (not the whole file: this travels with every batch).
+        self.sources: dict[str, list[str]] = {}
+        spans: dict[str, list[int]] = {}
+        for code in _codes(fn.__code__):
+            if not code.co_filename.startswith("<"):
+                numbers = [line for _, _, line in code.co_lines() if line is not None] + [code.co_firstlineno]
+                span = spans.setdefault(code.co_filename, [min(numbers), max(numbers)])
+                span[:] = [min(span[0], *numbers), max(span[1], *numbers)]
+        for filename, (first, last) in spans.items():
+            lines = linecache.getlines(filename)[first - 1:last]
+            if lines and sum(map(len, lines)) <= _MAX_SOURCE:
+                self.sources[filename] = [""] * (first - 1) + lines
+
+    def __reduce__(self) -> Any:
+        return _relocated, (self.fn, self.origins, self.sources)
+
+
+def located(fn: Any) -> Any:
+    """``fn`` wrapped to travel with its file and lines (a plain Python function), else ``fn`` itself."""
+    return Located(fn) if isinstance(fn, types.FunctionType) and not fn.__code__.co_filename.startswith("<") else fn
+
+
+def _codes(code: types.CodeType) -> list[types.CodeType]:
+    found = [code]
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            found += _codes(const)
+    return found
+
+
+def _renamed(code: types.CodeType, origins: dict[tuple[str, int], str]) -> types.CodeType:
+    consts = tuple(_renamed(c, origins) if isinstance(c, types.CodeType) else c for c in code.co_consts)
+    filename = origins.get((code.co_name, code.co_firstlineno), code.co_filename)
+    return code.replace(co_filename=filename, co_consts=consts)
+
+
+def _relocated(fn: Any, origins: dict[tuple[str, int], str], sources: dict[str, list[str]]) -> Any:
+    """``fn`` (unpickled), its code naming its files again; their lines known to ``linecache`` here."""
+    if isinstance(fn, types.FunctionType):
+        fn.__code__ = _renamed(fn.__code__, origins)
+    for filename, lines in sources.items():
+        if not os.path.exists(filename):  # on another machine: the lines that came along
+            linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+    return fn

@@ -50,7 +50,7 @@ import dask.config
 from distributed import Client, as_completed
 
 from daskps._core.arrays import is_int
-from daskps._core.pickling import dumps_or_explain
+from daskps._core.pickling import dumps_or_explain, located
 from daskps.coordinator import recovery
 from daskps.coordinator.batches import BIG, ERROR, load_error, run_batch
 from daskps.coordinator.dask_input import DaskInput, dask_dataset
@@ -149,7 +149,7 @@ def _pickle_closure(fn: Callable[..., Any], args: tuple, kwargs: dict, name: str
     if cached is not None:
         fn_blob, fn_kept = cached
     else:  # not seen yet (pickled outside any handler: an error it raises carries no lookup's KeyError)
-        fn_blob, fn_kept = _pickle(fn, f"the function {name!r}")
+        fn_blob, fn_kept = _pickle(located(fn), f"the function {name!r}")  # tracebacks name its file
         with contextlib.suppress(TypeError):
             _PICKLED_FUNCTIONS[fn] = (fn_blob, fn_kept)
     if not args and not kwargs:  # the common step without arguments: nothing to pickle
