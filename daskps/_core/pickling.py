@@ -159,7 +159,7 @@ def _renamed(code: types.CodeType, origins: dict[tuple[str, int], str]) -> types
 
 def _relocated(fn: Any, origins: dict[tuple[str, int], str], sources: dict[str, list[str]]) -> Any:
     """``fn`` (unpickled), its code naming its files again; their lines known to ``linecache`` here."""
-    if isinstance(fn, types.FunctionType):
+    if isinstance(fn, types.FunctionType) and fn.__code__.co_filename == "<dynamic-code>":  # pickled by value
         fn.__code__ = _renamed(fn.__code__, origins)
     for filename, lines in sources.items():
         if not os.path.exists(filename):  # on another machine: the lines that came along
