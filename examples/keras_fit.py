@@ -8,6 +8,8 @@ ModelCheckpoint) run here and see the servers' weights; afterwards the local
 model holds the trained weights, so ``model.evaluate`` works as before.
 
     python examples/keras_fit.py
+
+Needs ``pip install ".[keras]"`` in the daskps checkout.
 """
 
 import os

@@ -4,6 +4,8 @@
 onto parameter servers (docs/user-guide/keras.md shows that diff).
 
     python examples/keras_local.py
+
+Needs ``pip install ".[keras]"`` in the daskps checkout.
 """
 
 import os

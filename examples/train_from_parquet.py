@@ -17,6 +17,8 @@ row counted once even if a trainer dies midway) to measure loss and accuracy.
 With an existing cluster on other machines, ``--data-dir`` must be a path
 every worker can read (a shared file system; ``read_parquet`` also takes
 ``s3://`` and other fsspec URLs).
+
+Needs ``pip install ".[data]"`` in the daskps checkout (pandas, pyarrow and Dask's DataFrame).
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ trainer, not once per step.
     python examples/train_jax.py                  # ~20 s on 2 cores
     python examples/train_jax.py --epochs 2 --steps 50
     python examples/train_jax.py --scheduler tcp://host:8786   # an existing cluster
+
+Needs ``pip install ".[jax]"`` in the daskps checkout.
 """
 
 from __future__ import annotations

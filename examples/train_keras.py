@@ -16,6 +16,8 @@ imports Keras and before the cluster's workers start (they inherit it). With
     python examples/train_keras.py                  # ~20 s on 2 cores
     python examples/train_keras.py --epochs 2 --steps 50
     python examples/train_keras.py --scheduler tcp://host:8786   # an existing cluster
+
+Needs ``pip install ".[keras]"`` in the daskps checkout.
 """
 
 from __future__ import annotations

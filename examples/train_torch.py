@@ -13,6 +13,8 @@ The target is a hidden "teacher" network.
     python examples/train_torch.py                  # ~15 s on 2 cores
     python examples/train_torch.py --epochs 2 --steps 50
     python examples/train_torch.py --scheduler tcp://host:8786   # an existing cluster
+
+Needs ``pip install ".[torch]"`` in the daskps checkout.
 """
 
 from __future__ import annotations

@@ -36,3 +36,22 @@ def test_partitioners_module_exports():
                  "fixed_size_partitioner", "min_max_variable_partitioner", "variable_axis_size_partitioner"]:
         assert name in dps.partitioners.__all__
     assert dps.partitioners.__all__ == sorted(dps.partitioners.__all__)
+
+
+def test_each_example_names_the_extra_its_imports_need():
+    """An example that imports an optional library says in its docstring which extra installs it."""
+    import ast
+    import pathlib
+
+    extras = {"keras": "keras", "jax": "jax", "torch": "torch", "pandas": "data", "pyarrow": "data"}
+    root = pathlib.Path(__file__).parent.parent / "examples"
+    for path in sorted(root.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        names = {a.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+        names |= {(node.module or "").split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        needed = {extras[n] for n in names if n in extras}
+        if "keras" in needed:
+            needed.discard("jax")  # the keras extra installs JAX too (Keras runs on its JAX backend here)
+        doc = ast.get_docstring(tree) or ""
+        for extra in sorted(needed):
+            assert f'".[{extra}' in doc or f",{extra}" in doc, f"{path.name} imports what .[{extra}] installs"
