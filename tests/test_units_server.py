@@ -360,3 +360,15 @@ def test_a_release_by_a_holder_without_counts_changes_nothing_and_releases_go_on
     assert ps.execute([ops.Acquire(["b"], "x"), ops.Release(["b"], "x"), ops.Release(["b"], "h")])[1:] == [0, 1]
     ps = _server(c=[1.0], d=[2.0])
     assert ps.execute([ops.Release(["c", "d"], "h")]) == [2]  # every one dropped is counted
+
+
+def test_a_recreated_servers_strategy_is_its_groups_in_labels():
+    """After a recovery the server's key ends in -g1: /metrics and the plots still name its strategy's token."""
+    from daskps.ps.group import server_key, strategy_token
+    from daskps.ps.timeline import server_label
+
+    first, again = server_key(0, "abcdef0123", 0), server_key(0, "abcdef0123", 1)
+    assert again.endswith("-g1")
+    assert strategy_token(first) == strategy_token(again) == "abcdef0123"
+    assert server_label({"key": again, "task": 0}, True) == server_label({"key": first, "task": 0}, True) == \
+        "ps-0 (abcdef01)"

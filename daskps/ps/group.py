@@ -43,6 +43,13 @@ def parse_server_key(key: Any) -> tuple[int, str] | None:
     return parsed[:2] if parsed else None
 
 
+def strategy_token(key: Any) -> str:
+    """The token of the strategy a server's actor key belongs to, the same for a re-created server
+    (``...-g1``); the key itself for any other key."""
+    parsed = _parse(key)
+    return parsed[1] if parsed else str(key)
+
+
 def key_generation(key: str) -> int:
     """How many servers of its group had been re-created when the server ``key`` was made (0: an original)."""
     parsed = _parse(key)

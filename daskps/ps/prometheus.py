@@ -23,6 +23,8 @@ from typing import Any
 
 import dask.config
 
+from daskps.ps.group import strategy_token
+
 # (name after the prefix, kind, labels besides "scheduler", help)
 METRICS = [
     ("server_bytes", "gauge", ("server", "address", "strategy"), "Bytes of values and optimizer slots a parameter server holds"),
@@ -72,7 +74,7 @@ class DaskPSCollector:
         for plugin in list(self.plugins):
             scheduler = getattr(plugin.scheduler, "address", "") or ""
             for row in plugin.server_snapshot:
-                labels = [scheduler, f"ps-{row['task']}", row["address"], str(row["key"]).rsplit("-", 1)[-1]]
+                labels = [scheduler, f"ps-{row['task']}", row["address"], strategy_token(row["key"])]
                 families["server_up"].add_metric(labels, 0.0 if "error" in row else 1.0)
                 if "error" in row:
                     continue

@@ -21,7 +21,9 @@ KEEP_STRATEGIES = 64  # strategies whose metric values are kept
 
 def server_label(row: dict[str, Any], with_strategy: bool) -> str:
     """``ps-N`` for a server's stats row; with its strategy's token where several strategies have servers."""
-    token = str(row.get("key", "")).rsplit("-", 1)[-1][:8]
+    from daskps.ps.group import strategy_token  # (the server key's format)
+
+    token = strategy_token(row.get("key", ""))[:8]
     return f"ps-{row['task']} ({token})" if with_strategy else f"ps-{row['task']}"
 
 
