@@ -372,3 +372,20 @@ def test_a_recreated_servers_strategy_is_its_groups_in_labels():
     assert strategy_token(first) == strategy_token(again) == "abcdef0123"
     assert server_label({"key": again, "task": 0}, True) == server_label({"key": first, "task": 0}, True) == \
         "ps-0 (abcdef01)"
+
+
+def test_a_released_table_takes_the_bags_its_lookups_left_with_it():
+    """A server keeps a pooled lookup's bags for its gradient; releasing the table drops them (a gradient
+    naming that lookup then finds nothing, as after a restore, and is dropped and counted)."""
+    from daskps._core.bags import BagGrad, BagRead
+    from daskps._core.transforms import SGDTransform
+
+    ps = _server(t=np.zeros((4, 2)))
+    ps.execute([ops.AddOptimizer("opt", SGDTransform(1.0), True, "SGD", "h")])
+    read = BagRead(np.array([1, 2], np.int32), np.array([2], np.uint8), lane="lane", token=1)
+    ps.execute([ops.Read(["t"], [read])])
+    ps.execute([ops.Release(["t"], "h")])
+    ps.execute([ops.Create("t", "t", DenseSpec(np.zeros((4, 2), np.float32)), "h")])  # the same key, made again
+    ps.execute([ops.ApplyGradients("opt", [("t", "bags", BagGrad(np.ones((1, 2), np.float32), lane="lane", token=1))])])
+    np.testing.assert_array_equal(_value(ps, "t"), np.zeros((4, 2)))
+    assert ps.execute([ops.Stats()])[0].calls["pooled_gradient_from_before_a_restore"] == 1

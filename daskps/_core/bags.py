@@ -191,6 +191,3 @@ class BagMemory:
     def drop_lanes(self, suffix: str) -> None:
         for k in [k for k in self._kept if k[1].endswith(suffix)]:
             del self._kept[k]
-
-    def nbytes(self) -> int:
-        return sum(a.nbytes for kept in self._kept.values() for bags in kept.values() for a in bags if a is not None)

@@ -396,11 +396,8 @@ def _map_slots(state: Any, fn: Any) -> Any:
     return state._replace(**{k: fn(v) for k, v in slot_arrays(state).items()})
 
 
-def sum_rows(indices: np.ndarray, values: np.ndarray, stable: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def sum_rows(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The distinct ``indices`` (sorted) and, for each, the sum of its ``values`` rows, in order of occurrence.
-
-    ``stable=False`` adds a row's values in any order (faster; the sums may
-    differ in the last bit).
 
     >>> sum_rows(np.array([3, 1, 3]), np.array([[1.0], [2.0], [4.0]]))
     (array([1, 3]), array([[2.],
@@ -408,7 +405,7 @@ def sum_rows(indices: np.ndarray, values: np.ndarray, stable: bool = True) -> tu
     """
     if len(indices) < 2 or bool(np.all(indices[1:] > indices[:-1])):  # already distinct and sorted
         return indices, values
-    order = np.argsort(indices, kind="stable" if stable else None)
+    order = np.argsort(indices, kind="stable")
     return sum_sorted(indices[order], np.take(values, order, axis=0))
 
 
