@@ -1,7 +1,9 @@
 """``compare.py``'s runner for TorchRec: the ``dlrm`` workload on ``DistributedModelParallel``.
 
 Two processes (one per trainer, as many as daskps' trainers) join a gloo
-process group on 127.0.0.1; the DLRM is ``torchrec.models.dlrm.DLRM`` with
+process group on loopback only: they meet through a file store (the default
+TCP store listens on every interface) and gloo is bound to ``lo``
+(``GLOO_SOCKET_IFNAME``). The DLRM is ``torchrec.models.dlrm.DLRM`` with
 an ``EmbeddingBagCollection`` of the 8 tables (mean pooling), sharded by
 TorchRec's planner, with FBGEMM's fused row-wise Adagrad applied in the
 backward pass (``apply_optimizer_in_backward``) and ``torch.optim.Adagrad``
@@ -17,14 +19,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
+import tempfile
 import time
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_torchrec(workloads: list[str], num_ps: int, num_workers: int, steps: dict[str, int]) -> dict[str, float]:
@@ -32,17 +28,19 @@ def run_torchrec(workloads: list[str], num_ps: int, num_workers: int, steps: dic
         return {}
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, num_workers, port, steps["dlrm"], queue)) for r in range(num_workers)]
-    for p in procs:
-        p.start()
-    try:
-        results = [queue.get(timeout=600) for _ in procs]
-    finally:
+    with tempfile.TemporaryDirectory() as tmp:
+        store = f"file://{tmp}/store"
+        procs = [ctx.Process(target=_rank, args=(r, num_workers, store, steps["dlrm"], queue))
+                 for r in range(num_workers)]
         for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.terminate()
+            p.start()
+        try:
+            results = [queue.get(timeout=600) for _ in procs]
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.terminate()
     errors = [r["error"] for r in results if "error" in r]
     if errors:
         raise RuntimeError(errors[0])
@@ -52,17 +50,17 @@ def run_torchrec(workloads: list[str], num_ps: int, num_workers: int, steps: dic
     return {"dlrm": examples / seconds, "dlrm_auc": auc}
 
 
-def _rank(rank: int, world: int, port: int, steps: int, queue) -> None:
+def _rank(rank: int, world: int, store: str, steps: int, queue) -> None:
     try:
-        queue.put(_train(rank, world, port, steps))
+        queue.put(_train(rank, world, store, steps))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         import traceback
 
         queue.put({"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"})
 
 
-def _train(rank: int, world: int, port: int, steps: int) -> dict:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+def _train(rank: int, world: int, store: str, steps: int) -> dict:
+    os.environ.update(GLOO_SOCKET_IFNAME="lo")
     import _dlrm
     import numpy as np
     import torch
@@ -79,7 +77,7 @@ def _train(rank: int, world: int, port: int, steps: int) -> dict:
     # One thread per process, as torchrun sets OMP_NUM_THREADS for several processes per machine (torch's
     # own default, a thread per core in each process, ran 5x slower here: 2 processes on 2 cores).
     torch.set_num_threads(int(os.environ.get("DASKPS_BENCH_TORCH_THREADS", "1")))
-    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=store)
     n = steps * _dlrm.BATCH
     train, test = _dlrm.make_data(n)
     ebc = EmbeddingBagCollection(tables=[
