@@ -649,21 +649,26 @@ def test_dropping_the_model_releases_what_it_made_on_servers_and_trainers(client
     import gc
     import time
 
-    def held():
-        servers = sum(s["num_variables"] for s in strategy.ps_stats())
-        return servers, sum(len(d) for d in client.run(datasets_built).values())
+    def servers():
+        return sum(s["num_variables"] for s in strategy.ps_stats())
 
-    before = held()
+    def built():  # the ids of the datasets each trainer holds, as (worker, id) pairs
+        return {(w, d) for w, ids in client.run(datasets_built).items() for d in ids}
+
+    servers_before, built_before = servers(), built()
     with strategy.scope():
         model = classifier()
     dps.keras.fit(model, X, Y, epochs=1, verbose=0, coordinator=coordinator)
-    during = held()
-    assert during[0] > before[0] and during[1] > before[1]  # variables and slots; the model's copy on the trainers
+    servers_during = servers()
+    ours = built() - built_before  # earlier tests' copies may still be leaving: only the new ids are this model's
+    assert servers_during > servers_before  # variables and slots
+    assert ours  # the model's copy on the trainers
     del model
     deadline = time.monotonic() + 30
-    # Releases travel in the background (earlier tests' too: "before" may still fall, so at most, not equal)
-    while any(now > then for now, then in zip(held(), before)):
-        assert time.monotonic() < deadline, f"still held: {held()} (before: {before}, during: {during})"
+    # Releases travel in the background (earlier tests' too: the servers' count may fall below "before")
+    while servers() > servers_before or ours & built():
+        assert time.monotonic() < deadline, (
+            f"still held: {servers()} variables (before: {servers_before}), datasets {sorted(ours & built())}")
         gc.collect()
         time.sleep(0.1)
 
