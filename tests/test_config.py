@@ -22,6 +22,8 @@ EXPECTED = {
     "daskps.max-batch": 256,
     "daskps.function-cache-size": 64,
     "daskps.connect-timeout": "5s",
+    "daskps.scheduler-timeout": "10s",  # how long ParameterServerStrategy("tcp://...") tries
+    "daskps.workers-timeout": "60s",  # how long a new strategy waits for ps and worker resources
     "daskps.recovery-timeout": "60s",
     "daskps.recovery-same-worker-wait": "10s",
     "daskps.display-timeout": "1s",

@@ -23,6 +23,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+import dask.config
 import numpy as np
 import pytest
 from distributed import Client, LocalCluster
@@ -617,9 +618,13 @@ def _plain_cluster():
 def test_a_cluster_without_ps_or_trainers_is_refused(make, missing):
     with make() as cluster, Client(cluster) as client:
         assert client.scheduler_info()["address"].startswith("tcp://127.0.0.1:")
-        with pytest.raises(ValueError, match=re.escape(missing)) as info:
+        started = time.monotonic()
+        with dask.config.set({"daskps.workers-timeout": "1.5s"}), \
+                pytest.raises(ValueError, match=re.escape(missing)) as info:
             dps.ParameterServerStrategy(client)
+        assert 1.5 <= time.monotonic() - started < 30  # it waited for the missing kind to join, then gave up
         assert type(info.value) is ValueError
+        assert "after waiting 1.5 s (daskps.workers-timeout); 1 worker(s) joined: " in str(info.value)
         # Refused before any parameter-server actor was started: the scheduler holds no task.
         assert client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.tasks)) == []
 

@@ -83,3 +83,49 @@ def test_script_block_runs_with_python(block, tmp_path):
 def test_notebook_block_runs_in_a_kernel(block, tmp_path):
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(block.code)])
     NotebookClient(nb, timeout=240, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+
+
+@pytest.mark.timeout(300)
+def test_the_script_against_a_scheduler_started_the_same_second_as_its_workers(tmp_path):
+    """The README's existing-cluster line, run as a newcomer does: connected while the workers are starting.
+
+    The script is started first and the workers once it says it is waiting, so the wait is always taken.
+    """
+    import json
+    import os
+    import time
+
+    from tests.conftest import _start
+
+    first = next(b for b in CLUSTER_BLOCKS if not b.notebook)
+    guard = first.code.index(GUARD)
+    script = tmp_path / "script.py"
+    script.write_text(first.code[:guard] + GUARD + "\n    import sys\n    main(sys.argv[1])\n")  # "replace the last two lines"
+    env = {**os.environ, "DASK_DISTRIBUTED__WORKER__DAEMON": "False"}
+    sched_file = tmp_path / "scheduler.json"
+    procs = [_start(["distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", "0",
+                     "--dashboard-address", "127.0.0.1:0", "--scheduler-file", str(sched_file)], env)]
+    stdout, stderr = tmp_path / "stdout", tmp_path / "stderr"
+    try:
+        deadline = time.monotonic() + 60
+        while not sched_file.exists():
+            assert time.monotonic() < deadline, "dask scheduler did not start"
+            time.sleep(0.05)
+        address = json.loads(sched_file.read_text())["address"]
+        with stdout.open("w") as out, stderr.open("w") as err:
+            run = subprocess.Popen([sys.executable, str(script), address], cwd=tmp_path, stdout=out, stderr=err)
+        procs.append(run)
+        while "waiting up to 60 s (daskps.workers-timeout)" not in stderr.read_text():
+            assert run.poll() is None, f"the script ended before waiting:\n{stderr.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, "the script did not say it waits for workers"
+            time.sleep(0.05)
+        procs += [_start(["distributed.cli.dask_worker", address, "--host", "127.0.0.1", "--nthreads", "1",
+                          "--resources", resource, "--no-dashboard"], env)
+                  for resource in ("ps=1", "ps=1", "worker=1", "worker=1")]
+        assert run.wait(timeout=240) == 0, stderr.read_text()[-3000:]
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)
+    assert re.search(r"loss \d\.\d+ -> \d\.\d+", stdout.read_text()), stdout.read_text()

@@ -4,6 +4,7 @@ import pickle
 import subprocess
 import sys
 
+import dask.config
 import numpy as np
 import pytest
 from distributed import Client
@@ -44,8 +45,29 @@ def test_no_default_client_is_a_clear_error():
 def test_cluster_without_ps_or_workers(num_ps, num_workers, missing):
     with dps.LocalPSCluster(num_ps=num_ps, num_workers=num_workers, processes=False) as cluster:
         with Client(cluster) as client:
-            with pytest.raises(ValueError, match=missing):
+            with dask.config.set({"daskps.workers-timeout": "1s"}), pytest.raises(ValueError, match=missing):
                 dps.ParameterServerStrategy(client)
+
+
+def test_a_wrong_scheduler_address_fails_within_the_timeout_naming_it():
+    import socket
+    import time
+
+    with socket.socket() as s:  # a port on this machine where nothing listens
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+    started = time.monotonic()
+    with dask.config.set({"daskps.scheduler-timeout": "2s"}), pytest.raises(OSError) as info:
+        dps.ParameterServerStrategy(address)
+    assert time.monotonic() - started < 15  # Dask's own connect timeout is 30 s
+    assert f"cannot reach a Dask scheduler at {address!r} within 2 s (daskps.scheduler-timeout)" in str(info.value)
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+def test_an_address_that_is_not_one_is_named():
+    with pytest.raises(ValueError, match=r"cluster_resolver 'ftp://x:1' is not a scheduler address"):
+        dps.ParameterServerStrategy("ftp://x:1")
 
 
 def test_one_actor_per_ps_pinned_by_address(strategy, client):

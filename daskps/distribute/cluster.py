@@ -16,11 +16,13 @@ import os
 import re
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any, NoReturn
 
 import dask.config
+from dask.utils import parse_timedelta
 from distributed import Client, Nanny, Scheduler, Security, SpecCluster, Worker
 from distributed.core import Status
 
@@ -342,6 +344,62 @@ class DaskClusterResolver:
 
     def training_workers(self) -> list[tuple[str, str]]:
         return self._workers(self.worker_resource)
+
+    def wait_for_workers(self, timeout: float | None = None, settle: float = 2.0,
+                         ) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+        """Wait until the cluster has a parameter server and a trainer; ``(ps, trainers)``.
+
+        Workers started beside a scheduler join it over a few seconds, so a
+        strategy made at once would find none, or only some. When the first
+        look finds both kinds, they are returned at once (a ``LocalPSCluster``
+        starts all its workers before it returns). Otherwise this waits for
+        both, then until no worker has joined for ``settle`` seconds (so the
+        rest of a starting set is found too), all within ``timeout`` seconds
+        (config ``daskps.workers-timeout`` when ``None``). Raises
+        ``ValueError`` naming the missing resource and the workers that did
+        join once the time is up.
+        """
+        if timeout is None:
+            timeout = parse_timedelta(dask.config.get("daskps.workers-timeout"))
+        start = time.monotonic()
+        ps, trainers = self.ps_workers(), self.training_workers()
+        if ps and trainers:
+            return ps, trainers
+        told = False
+        seen, quiet_since = len(ps) + len(trainers), time.monotonic()
+        while True:
+            now = time.monotonic()
+            if ps and trainers and now - quiet_since >= settle:
+                return ps, trainers
+            if now - start >= timeout:
+                break
+            if not told and now - start >= 1.0:
+                print(f"daskps: waiting up to {timeout:g} s (daskps.workers-timeout) for workers with "
+                      f"resources {self.ps_resource!r} and {self.worker_resource!r} to join "
+                      f"{self.client.scheduler.address}", file=sys.stderr, flush=True)
+                told = True
+            time.sleep(0.2)
+            ps, trainers = self.ps_workers(), self.training_workers()
+            if len(ps) + len(trainers) != seen:
+                seen, quiet_since = len(ps) + len(trainers), time.monotonic()
+        if ps and trainers:  # both came, but workers were still joining when the time ran out
+            return ps, trainers
+        self._refuse(ps, timeout)
+
+    def _refuse(self, ps: list[tuple[str, str]], timeout: float) -> NoReturn:
+        kind, resource = (("training worker", self.worker_resource) if ps
+                          else ("parameter server", self.ps_resource))
+        joined = cluster_workers(self.client)
+        if joined:
+            others = ", ".join(f"{w.get('name', addr)} (resources {dict(w.get('resources') or {})})"
+                               for addr, w in sorted(joined.items()))
+            seen = f"{len(joined)} worker(s) joined: {others}"
+        else:
+            seen = "no worker joined the scheduler at all"
+        raise ValueError(
+            f"the cluster has no {kind}: no worker has resource {resource!r} after waiting {timeout:g} s "
+            f"(daskps.workers-timeout); {seen}. Start one with `dask worker ADDRESS --resources {resource}=1`"
+        )
 
     def cluster_spec(self) -> dict[str, list[str]]:
         comm = getattr(self.client.scheduler_comm, "comm", None)

@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import dask.config
+from dask.utils import parse_timedelta
 from distributed import Client, default_client
 from distributed.deploy import Cluster
 
@@ -150,15 +152,7 @@ class ParameterServerStrategy(SingleReplicaStrategy):
             )
         self._variable_partitioner = variable_partitioner
         self._client: Client | None = self._resolver.client
-        ps_workers = self._resolver.ps_workers()
-        trainers = self._resolver.training_workers()
-        for kind, found, resource in (("parameter server", ps_workers, self._resolver.ps_resource),
-                                      ("training worker", trainers, self._resolver.worker_resource)):
-            if not found:
-                raise ValueError(
-                    f"the cluster has no {kind}: no worker has resource {resource!r} "
-                    f"(start one with `dask worker ADDRESS --resources {resource}=1`)"
-                )
+        ps_workers, trainers = self._resolver.wait_for_workers()
         self._worker_names = [name for name, _ in trainers]
         install_plugin(self._client)  # server bookkeeping on the scheduler (and the dashboard page)
         self._group: ServerGroup | None = ServerGroup(self._client, ps_workers)
@@ -423,7 +417,7 @@ def _resolve(cluster_resolver: Any) -> tuple[DaskClusterResolver, bool]:
     if isinstance(cluster_resolver, Cluster):  # LocalPSCluster, SLURMCluster, KubeCluster, ...: its client
         return DaskClusterResolver(cluster_resolver.get_client()), False
     if isinstance(cluster_resolver, str):
-        return DaskClusterResolver(Client(cluster_resolver)), True
+        return DaskClusterResolver(_connect(cluster_resolver)), True
     if cluster_resolver is None:
         try:
             return DaskClusterResolver(default_client()), False
@@ -436,3 +430,19 @@ def _resolve(cluster_resolver: Any) -> tuple[DaskClusterResolver, bool]:
         "cluster_resolver must be a distributed.Client, a Dask cluster (LocalPSCluster, ...), a "
         f"scheduler address (str), a DaskClusterResolver or None, got {type(cluster_resolver).__name__}"
     )
+
+
+def _connect(address: str) -> Client:
+    """A client of the scheduler at ``address``, or an error naming it within ``daskps.scheduler-timeout``."""
+    timeout = parse_timedelta(dask.config.get("daskps.scheduler-timeout"))
+    try:
+        return Client(address, timeout=timeout)
+    except ValueError as exc:  # an address Dask cannot parse
+        raise ValueError(f"cluster_resolver {address!r} is not a scheduler address such as "
+                         f"'tcp://scheduler:8786': {exc}") from None
+    except OSError as exc:  # timed out: nothing answered there
+        raise OSError(
+            f"cannot reach a Dask scheduler at {address!r} within {timeout:g} s (daskps.scheduler-timeout): "
+            f"{exc}. Check the address (`dask scheduler` prints it as 'Scheduler at: ...') and that "
+            "the scheduler is running"
+        ) from None
