@@ -64,6 +64,9 @@ def check_page(client: Client) -> str:
     for route in PAGES:  # the plot pages too (drawn in a browser by test_dashboard_browser.py)
         assert route in plots.values()
         assert urllib.request.urlopen(base + route).status == 200
+    for route in ("/status", "/workers", "/daskps"):  # Dask's own navigation bar links the page, on every page
+        nav = urllib.request.urlopen(base + route).read().decode()
+        assert re.search(r'<a href="daskps">\s*Daskps\s*</a>', nav), (route, nav[:3000])
     text = page_text(base, want="7.81 kiB")  # the servers' numbers arrive within a tick of the plugin
     for addr in addresses:
         assert addr in text

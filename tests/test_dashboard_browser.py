@@ -135,3 +135,25 @@ def test_every_plot_page_draws_its_figures_during_training(tmp_path):
             assert state["sources"].get(f"{title} data", 0) > 1, (route, title, state["sources"])
         assert (tmp_path / f"{route.strip('/')}.png").stat().st_size > 10_000
 
+
+
+def test_dasks_navigation_bar_leads_to_the_daskps_page():
+    """A person on Dask's Status page finds "Daskps" in the bar, clicks it and sees the servers' table."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with dps.LocalPSCluster(num_ps=2, num_workers=1) as cluster, cluster.get_client() as client:
+        strategy = dps.ParameterServerStrategy(client)
+        with strategy.scope():
+            w = dps.Variable(np.zeros((100, 4), np.float32), name="w")
+        base = cluster.dashboard_link.rsplit("/", 1)[0]
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+            page = browser.new_page(viewport={"width": 1200, "height": 700})
+            page.goto(base + "/status")
+            page.get_by_role("link", name="Daskps", exact=True).click()
+            page.wait_for_url(re.compile(r"/daskps$"))
+            page.get_by_text("daskps parameter servers").wait_for(timeout=30_000)
+            page.get_by_text("1.56 kiB").first.wait_for(timeout=30_000)  # the servers' numbers arrive
+            assert page.get_by_role("link", name="Status", exact=True).count() == 1  # still in Dask's frame
+            browser.close()
+        del w
+        strategy.close()

@@ -26,7 +26,7 @@ from dask.utils import parse_timedelta
 from distributed import Client, Nanny, Scheduler, Security, SpecCluster, Worker
 from distributed.core import Status
 
-from daskps.ui.dashboard import register_page
+from daskps.ui.dashboard import add_to_navigation, register_page
 
 __all__ = ["DaskClusterResolver", "LocalPSCluster"]
 
@@ -141,6 +141,7 @@ class LocalPSCluster(SpecCluster):
             _start_explaining_unguarded_script(
                 functools.partial(super().__init__, workers=workers, scheduler=scheduler, worker=spec("worker"),
                                   **kwargs))
+        add_to_navigation(self.scheduler)  # "Daskps" in Dask's own navigation bar, beside Status, Workers, ...
         link = self.daskps_link
         if link:  # where to look, at once (stderr: a script's own output stays its own)
             print(f"daskps dashboard: {link}", file=sys.stderr, flush=True)

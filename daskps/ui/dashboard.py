@@ -33,6 +33,7 @@ from daskps.ps.plugin import PLUGIN_NAME, DaskPSSchedulerPlugin
 from daskps.ui.plots import PAGES, make_app
 
 ROUTE = "/individual-daskps"
+NAV_ROUTE = "/daskps"  # the same page inside Dask's own page frame, linked from its navigation bar
 
 
 def _cell(x: Any) -> str:
@@ -122,6 +123,42 @@ def daskps_doc(scheduler: Any, extra: Any, doc: Any) -> None:
     doc.add_periodic_callback(refresh, 1000)
 
 
+def daskps_nav_doc(scheduler: Any, extra: Any, doc: Any) -> None:
+    """``/daskps``: the page of ``/individual-daskps`` in Dask's frame, with its navigation bar.
+
+    Dask's ``individual-`` pages are bare (for JupyterLab panels); the pages
+    its bar links to (Status, Workers, ...) render in its ``simple.html``.
+    """
+    from distributed.dashboard.components.scheduler import env
+
+    daskps_doc(scheduler, extra, doc)
+    doc.template = env.get_template("simple.html")
+    doc.template_variables.update(extra)
+
+
+def add_to_navigation(scheduler: Any) -> bool:
+    """Put "Daskps" into the navigation bar of ``scheduler``'s dashboard, beside Status, Workers, ...
+
+    Dask builds the bar's list once per scheduler (``template_variables``,
+    memoized) and every page renders from that same list, so adding to it
+    shows the link on every page from the next load on. False when the
+    scheduler has no dashboard or started before :func:`register_page`.
+    """
+    try:
+        from distributed.dashboard.scheduler import applications, template_variables
+    except ImportError:
+        return False
+    if NAV_ROUTE not in applications or getattr(scheduler, "http_application", None) is None:
+        return False
+    pages = template_variables(scheduler).get("pages")
+    if not isinstance(pages, list):
+        return False
+    name = NAV_ROUTE.strip("/")
+    if name not in pages:
+        pages.append(name)
+    return True
+
+
 def register_page() -> bool:
     """Add the page to the dashboard of schedulers started after this call; False without bokeh."""
     try:
@@ -129,6 +166,7 @@ def register_page() -> bool:
     except ImportError:
         return False
     applications.setdefault(ROUTE, daskps_doc)
+    applications.setdefault(NAV_ROUTE, daskps_nav_doc)
     for route, page in PAGES.items():
         applications.setdefault(route, make_app(page))
     return True
@@ -139,6 +177,7 @@ register_page()
 
 
 def dask_setup(scheduler: Any) -> None:
-    """...and this adds the plugin when the scheduler starts."""
+    """...and this adds the plugin and the navigation bar's link when the scheduler starts."""
     if PLUGIN_NAME not in scheduler.plugins:
         scheduler.add_plugin(DaskPSSchedulerPlugin(scheduler), name=PLUGIN_NAME)
+    add_to_navigation(scheduler)
