@@ -65,7 +65,12 @@ def main(argv: list[str] | None = None) -> int:
         logdir=args.logdir,
         keep_open=args.keep_open,
     )
-    result = run_demo(config)
+    try:
+        result = run_demo(config)
+    except KeyboardInterrupt:  # Ctrl-C: the cluster is closed on the way out; say where things stand, briefly
+        print(f"\ndaskps demo: interrupted; the cluster is shut down. Checkpoints are in {args.checkpoint_dir}: "
+              "run the same command again to resume from the latest.", file=sys.stderr)
+        return 130  # as a shell reports a command stopped by SIGINT
     learned = result["epochs_trained"] == 0 or result["log_loss"] < result["start_log_loss"]
     return 0 if learned else 1
 

@@ -362,6 +362,8 @@ class ClusterCoordinator:
 
     def _pump(self) -> None:
         """On the client's event loop: put queued functions into batches while trainers need work."""
+        if self._client.status in ("closing", "closed"):
+            return  # the script is ending (Ctrl-C, a closed cluster): what is queued stays queued
         trainers = max(1, self._trainers)
         if time.monotonic() - self._trainers_at > TRAINERS_REFRESH and self._queue:
             self._trainers_at = time.monotonic()

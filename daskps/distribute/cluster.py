@@ -31,6 +31,7 @@ from daskps.ui.dashboard import add_to_navigation, register_page
 __all__ = ["DaskClusterResolver", "LocalPSCluster"]
 
 LOCALHOST = "127.0.0.1"
+PRELOAD = "daskps.distribute.worker_preload"
 
 
 class LocalPSCluster(SpecCluster):
@@ -121,6 +122,8 @@ class LocalPSCluster(SpecCluster):
         if processes:
             base["dashboard_address"] = f"{LOCALHOST}:0"
             base["silence_logs"] = logging.ERROR
+            # Ctrl-C reaches the script alone: worker processes ignore SIGINT (the script's close stops them)
+            base["preload"] = [*(dask.config.get("distributed.worker.preload") or []), PRELOAD]
 
         def spec(resource: str) -> dict[str, Any]:
             return {"cls": cls, "options": {**base, "resources": {resource: 1}}}
