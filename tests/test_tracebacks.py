@@ -46,3 +46,59 @@ def test_a_failing_steps_traceback_shows_the_users_file_line_and_source(coordina
     for text in (shown, on_trainer):
         assert f'File "{path}", line 8, in failing_step' in text, shown
         assert 'raise ValueError("bad batch")  # the line the traceback shows' in text, shown
+
+
+UNPICKLABLE = textwrap.dedent('''
+    import threading
+
+    import numpy as np
+
+    import daskps as dps
+
+
+    def main(cluster):
+        strategy = dps.ParameterServerStrategy(cluster)
+        coordinator = dps.ClusterCoordinator(strategy)
+        with strategy.scope():
+            w = dps.Variable(np.zeros(2), name="w")
+
+        def step():
+            w.assign_add(np.ones(2))
+            return threading.Lock()  # a result that cannot be pickled
+
+        coordinator.schedule(step)
+        coordinator.join()
+
+
+    if __name__ == "__main__":
+        with dps.LocalPSCluster(num_ps=1, num_workers=1) as cluster:
+            main(cluster)
+''')
+
+
+@pytest.mark.timeout(240)
+def test_a_result_that_cannot_be_pickled_prints_daskps_line_without_dasks_serializer_traceback(tmp_path):
+    import subprocess
+
+    script = tmp_path / "unpicklable.py"
+    script.write_text(UNPICKLABLE)
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=200)
+    assert out.returncode == 1
+    assert "TypeError: the result of a scheduled function cannot be pickled: cannot pickle '_thread.lock' object" \
+        in out.stderr, out.stderr
+    assert "distributed.protocol.pickle" not in out.stderr and "cloudpickle.py" not in out.stderr, out.stderr
+    assert out.stderr.count("Traceback (most recent call last)") == 1, out.stderr  # the script's own
+
+
+def test_a_captured_object_that_cannot_be_pickled_is_named_without_pickles_traceback(coordinator):
+    import threading
+
+    lock = threading.Lock()
+
+    def step():
+        return lock.locked()
+
+    with pytest.raises(TypeError, match=r"cannot pickle variable 'lock' captured by .*step \(a _thread\.lock\)") as info:
+        coordinator.schedule(step)
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+    assert "cloudpickle" not in "".join(traceback.format_exception(info.value))

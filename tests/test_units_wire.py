@@ -92,6 +92,7 @@ class Holder:
 def _message(obj, what="fn"):
     with pytest.raises(TypeError) as info:
         pickling.dumps_or_explain(obj, what)
+    assert info.value.__cause__ is None and info.value.__suppress_context__  # pickle's frames are not chained on
     return str(info.value)
 
 

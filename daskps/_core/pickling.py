@@ -20,7 +20,8 @@ def dumps_or_explain(obj: Any, what: str) -> bytes:
         return cloudpickle.dumps(obj)
     except Exception as exc:
         culprit = _find_culprit(obj, what, depth=0)
-        raise TypeError(f"cannot pickle {culprit or what}: {exc.__class__.__name__}: {exc}") from exc
+        # pickle's own traceback (chained) would add only pickle's frames to what the message says
+        raise TypeError(f"cannot pickle {culprit or what}: {exc.__class__.__name__}: {exc}") from None
 
 
 def _picklable(obj: Any) -> bool:

@@ -29,6 +29,7 @@ import time
 import traceback
 from typing import Any
 
+import cloudpickle
 import dask.config
 from distributed.core import Status
 from distributed.protocol.pickle import dumps
@@ -223,7 +224,7 @@ def _run_one(strategy: Any, blob: tuple[bytes, bytes]) -> tuple[str, bytes | Non
     if value is None:
         return OK, _NONE, None
     try:
-        payload = dumps(value)
+        payload = _quiet_dumps(value)
     except Exception as exc:
         return ERROR, _pickled_error(TypeError(f"the result of a scheduled function cannot be pickled: {exc}")), None
     if len(payload) > INLINE_BYTES:
@@ -234,12 +235,25 @@ def _run_one(strategy: Any, blob: tuple[bytes, bytes]) -> tuple[str, bytes | Non
 _NONE = dumps(None)
 
 
+def _quiet_dumps(value: Any) -> bytes:
+    """``value`` pickled as Dask's ``dumps`` does it (pickle; cloudpickle for what pickle cannot do or
+    what names ``__main__``), without the ERROR log and tracebacks Dask's prints when neither can:
+    the caller turns that failure into one line of its own."""
+    try:
+        payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        if b"__main__" not in payload:
+            return payload
+    except Exception:  # a lambda, a local function, ...: cloudpickle pickles it by value
+        pass
+    return cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def _pickled_error(exc: BaseException) -> bytes:
     """``exc``, its traceback and its text: the text survives an exception that cannot be rebuilt."""
     where = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     text = f"{type(exc).__name__}: {exc}"
     try:
-        blob = dumps(exc)
+        blob = _quiet_dumps(exc)
         pickle.loads(blob)  # some exceptions pickle but do not unpickle (extra __init__ arguments)
     except Exception:
         blob = dumps(RuntimeError(text))
