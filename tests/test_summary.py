@@ -122,6 +122,35 @@ def test_a_writer_of_ones_own_and_a_metric_that_cannot_be_read(coordinator):
     assert writer.flushed == 2  # after the write, and at stop (a writer passed in is not closed)
 
 
+def test_a_metric_on_a_server_being_recovered_is_a_quiet_gap_only_with_a_checkpoint_manager(client, tmp_path):
+    """While a lost server is re-created from its checkpoint, its metric cannot be read: with a manager the
+    logger leaves it out of that step quietly; without one, the loss is for good and it warns."""
+    import warnings
+
+    def lost():
+        raise dps.errors.PSUnavailableError("parameter server 0 is unavailable")
+
+    strategy = dps.ParameterServerStrategy(client)  # its own: a manager given to a coordinator stays
+    with strategy.scope():
+        v = dps.Variable(0.0, name="v_for_the_logger")
+    for manager in (None, dps.CheckpointManager(dps.Checkpoint(v=v), str(tmp_path))):
+        coordinator = dps.ClusterCoordinator(strategy, checkpoint_manager=manager)  # the same one, then given it
+        rows = []
+        writer = type("W", (), {"add_scalar": lambda self, *row: rows.append(row), "flush": lambda self: None})()
+        logger = dps.summary.ScalarLogger(coordinator, writer, {"lost": lost, "ok": lambda: 7}, every_n_steps=1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            logger.write(1)
+        said = [str(w.message) for w in caught]
+        assert ("ok", 7.0, 1) in rows and not any(tag == "lost" for tag, _, _ in rows)  # a gap, not a 0
+        if manager is not None:
+            assert said == []
+        else:
+            assert said == ["ScalarLogger: metric 'lost' could not be read (PSUnavailableError: parameter "
+                            "server 0 is unavailable); it is left out"]
+    strategy.close()
+
+
 @pytest.mark.parametrize("kwargs, error, text", [
     ({"every_n_steps": 0}, ValueError, "every_n_steps must be a positive integer, got 0"),
     ({"every_n_steps": 2.5}, ValueError, "every_n_steps must be a positive integer, got 2.5"),

@@ -21,6 +21,7 @@ from typing import Any
 
 from daskps._core.arrays import is_int
 from daskps.coordinator.coordinator import ClusterCoordinator
+from daskps.errors import PSUnavailableError
 from daskps.ps.plugin import METRICS_TOPIC
 
 __all__ = ["ScalarLogger", "create_file_writer"]
@@ -173,6 +174,8 @@ class ScalarLogger:
                         continue
                     scalars[tag] = value
                 except Exception as exc:
+                    if isinstance(exc, PSUnavailableError) and self.coordinator.checkpoint_manager is not None:
+                        continue  # its server is being re-created from the checkpoint: a gap at this step, quietly
                     if tag not in self._unreadable:
                         self._unreadable.add(tag)
                         warnings.warn(f"ScalarLogger: metric {tag!r} could not be read ({type(exc).__name__}: "
