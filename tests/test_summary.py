@@ -136,7 +136,8 @@ def test_a_metric_on_a_server_being_recovered_is_a_quiet_gap_only_with_a_checkpo
     for manager in (None, dps.CheckpointManager(dps.Checkpoint(v=v), str(tmp_path))):
         coordinator = dps.ClusterCoordinator(strategy, checkpoint_manager=manager)  # the same one, then given it
         rows = []
-        writer = type("W", (), {"add_scalar": lambda self, *row: rows.append(row), "flush": lambda self: None})()
+        writer = type("W", (), {"add_scalar": lambda self, *row, rows=rows: rows.append(row),
+                                "flush": lambda self: None})()
         logger = dps.summary.ScalarLogger(coordinator, writer, {"lost": lost, "ok": lambda: 7}, every_n_steps=1)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
