@@ -372,7 +372,8 @@ def _train(config: DemoConfig, cluster, log, step_maths) -> dict:
     logger = None
     if config.logdir is not None:  # train loss and examples/s every tenth of an epoch; test metrics each epoch
         logger = dps.summary.ScalarLogger(coordinator, config.logdir, {"train/loss": train_loss},
-                                          every_n_steps=max(1, calls // 10), examples_per_step=k * batch).start()
+                                          every_n_steps=max(1, calls // 10), examples_per_step=k * batch,
+                                          step=lambda: int(optimizer.iterations.numpy())).start()  # as printed
         log(f"TensorBoard scalars in {config.logdir} (tensorboard --logdir {config.logdir})")
     try:
         for epoch in range(done + 1, config.epochs + 1):
@@ -396,8 +397,8 @@ def _train(config: DemoConfig, cluster, log, step_maths) -> dict:
             log(f"epoch {epoch:>2}/{config.epochs}  train loss {float(train_loss.result()):.4f}  "
                 f"test log-loss {metrics['log_loss']:.4f}  AUC {metrics['auc']:.3f}  "
                 f"{rate:,.0f} examples/s  saved {os.path.basename(path)}")
-            if logger is not None:  # the test metrics at the step (functions completed) they were taken
-                step = coordinator.summary()["done"]
+            if logger is not None:  # the test metrics at the optimizer step they were taken (as printed)
+                step = int(optimizer.iterations.numpy())
                 logger.writer.add_scalar("test/log_loss", metrics["log_loss"], step)
                 logger.writer.add_scalar("test/auc", metrics["auc"], step)
     finally:

@@ -14,6 +14,7 @@ import numpy as np
 from distributed import Client
 
 import daskps as dps
+from daskps.ps.quantities import TrainerCounts
 from daskps.ui.plots import PAGES
 from tests.conftest import dask_cli_cluster
 
@@ -70,11 +71,11 @@ def check_page(client: Client) -> str:
     text = page_text(base, want="7.81 kiB")  # the servers' numbers arrive within a tick of the plugin
     for addr in addresses:
         assert addr in text
-    assert "ps 0" in text and "ps 1" in text and "7.81 kiB" in text
+    assert "ps-0" in text and "ps-1" in text and "7.81 kiB" in text
     for ps in held[0]._ps:  # each server's row: its bytes, 1 variable, 1 shard (the headers alone say nothing)
-        assert re.search(rf"ps {ps.task_id} {re.escape(ps.address)} 7\.81 kiB 1 1 [\d.,]+ [\d.,]+ ok", text), text
+        assert re.search(rf"ps-{ps.task_id} {re.escape(ps.address)} 7\.81 kiB 1 1 [\d.,]+ [\d.,]+ ok", text), text
     trainers = text.split("Trainers", 1)[1]  # counts of 1,000 and more have a separator
-    completed = [int(n.replace(",", "")) for n in re.findall(r"tcp://127\.0\.0\.1:\d+ ([\d,]+) [\d,]+", trainers)]
+    completed = [int(n.replace(",", "")) for n in re.findall(r"tcp://127\.0\.0\.1:\d+ ([\d,]+) [\d,]+ [\d,]+", trainers)]
     assert sum(completed) >= 6, text
     return text
 
@@ -99,7 +100,7 @@ def test_page_shows_each_embedding_table_per_server(client):
     text = page_text(dashboard_base(client), want="items_on_page")
     section = text.split("Embedding tables", 1)[1]
     for task, c in zip(tasks, counts):
-        assert f"items_on_page ps {task} {c['rows']:,} {c['admitted']:,} {c['evicted']:,}" in section
+        assert f"items_on_page ps-{task} {c['rows']:,} {c['admitted']:,} {c['evicted']:,}" in section
     assert sum(c["rows"] for c in counts) == 6 and sum(c["evicted"] for c in counts) == 24
 
 
@@ -124,13 +125,13 @@ def test_pages_keep_showing_new_points_once_the_timeline_is_full():
 
     trainers = TrainersPage()
     for i in range(5):  # a trainer completes 10 functions a second
-        timeline.record(1000.0 + i, [], {"t": {"rerun": i}}, {"tcp://w": 10 * i}, {"tcp://w": 0})
+        timeline.record(1000.0 + i, [], {"t": {"rerun": i}}, {"worker-0": TrainerCounts(10 * i, 0, 0)})
     trainers.update(timeline)
-    assert list(trainers.functions.source.data["tcp://w"]) == [10.0, 10.0]  # 3 ticks kept: 2 rates
+    assert list(trainers.functions.source.data["worker-0"]) == [10.0, 10.0]  # 3 ticks kept: 2 rates
     assert list(trainers.failures.source.data["re-run"]) == [3.0, 4.0]
-    timeline.record(1005.0, [], {"t": {"rerun": 5}}, {"tcp://w": 70}, {"tcp://w": 1})
+    timeline.record(1005.0, [], {"t": {"rerun": 5, "failed": 1}}, {"worker-0": TrainerCounts(70, 1, 0)})
     trainers.update(timeline)
-    assert list(trainers.functions.source.data["tcp://w"]) == [10.0, 10.0, 30.0]
+    assert list(trainers.functions.source.data["worker-0"]) == [10.0, 10.0, 30.0]
     assert list(trainers.failures.source.data["failed"]) == [0.0, 0.0, 1.0]
 
 
@@ -144,9 +145,9 @@ def test_servers_of_two_strategies_keep_their_own_lines():
                 "variables": {f"v-{token}": ("v", (1,), "<f4")}, "table_reads": {f"v-{token}": reads}}
 
     timeline = Timeline()
-    timeline.record(1.0, [row(0, "aaaaaaaaaaaa", 5)], {}, {}, {})
+    timeline.record(1.0, [row(0, "aaaaaaaaaaaa", 5)], {}, {})
     assert set(timeline.ticks[-1].servers) == {"ps-0"}  # one strategy: plain names
-    timeline.record(2.0, [row(0, "aaaaaaaaaaaa", 7), row(0, "bbbbbbbbbbbb", 100)], {}, {}, {})
+    timeline.record(2.0, [row(0, "aaaaaaaaaaaa", 7), row(0, "bbbbbbbbbbbb", 100)], {}, {})
     servers = timeline.ticks[-1].servers
     assert set(servers) == {"ps-0 (aaaaaaaa)", "ps-0 (bbbbbbbb)"}
     assert servers["ps-0 (aaaaaaaa)"][1] == 7 and servers["ps-0 (bbbbbbbb)"][1] == 100
@@ -172,7 +173,7 @@ def test_a_page_opened_on_a_long_history_gets_it_in_one_message_per_figure():
     timeline = Timeline()
     for i in range(60):  # strategy s lives from tick 3s to 3s + 5: two or three at a time
         live = [s for s in range(20) if 3 * s <= i < 3 * s + 6]
-        timeline.record(1000.0 + i, [row(t, s, 100 * i + t) for s in live for t in range(2)], {}, {}, {})
+        timeline.record(1000.0 + i, [row(t, s, 100 * i + t) for s in live for t in range(2)], {}, {})
     page = ServersPage()
     document = Document()
     document.add_root(column(*page.roots()))
@@ -189,7 +190,7 @@ def test_a_page_opened_on_a_long_history_gets_it_in_one_message_per_figure():
     want = [100 * i + 1 if 21 <= i < 27 else math.nan for i in range(1, 60)]  # strategy 7's ps-1
     np.testing.assert_array_equal(data["ps-1 (00000007)"], want)
     events.clear()
-    timeline.record(1060.0, [row(0, 18, 5), row(0, 19, 6)], {}, {}, {})
+    timeline.record(1060.0, [row(0, 18, 5), row(0, 19, 6)], {}, {})
     page.update(timeline)
     assert [type(e) for e in events] == [ColumnsStreamedEvent] * 5  # a tick later: a point each, no new line
     assert data["ps-0 (00000019)"][-2:] == [5900.0, 6.0] and len(page.bytes.names) == 42

@@ -23,7 +23,7 @@ def test_strategy_html_lists_servers_trainers_and_dashboard(strategy):
     assert strategy.client.dashboard_link in page and "3.91 kiB" in page
     del held
     text = strategy.summary()
-    assert "ps 0" in text and "ps 1" in text and "worker 1: worker-1 tcp://127.0.0.1:" in text
+    assert "ps-0" in text and "ps-1" in text and "worker 1: worker-1 tcp://127.0.0.1:" in text
 
 
 def test_variable_and_sharded_variable_html(strategy):

@@ -313,8 +313,28 @@ def test_the_values_also_reach_the_scheduler_for_the_dashboard(strategy, coordin
     events = [e for _, e in strategy.client.get_events(METRICS_TOPIC) if e["strategy"] == strategy.token]
     assert len(events) == 1 and events[0]["step"] == 2 and type(events[0]["step"]) is int
     values = events[0]["values"]
-    assert set(values) == {"daskps/functions_per_second", "daskps/failed", "seven"}
+    assert set(values) == {"daskps/functions_per_second", "daskps/failed", "daskps/rerun", "seven"}
     assert values["seven"] == 7.0 and values["daskps/failed"] == 0.0 and values["daskps/functions_per_second"] > 0
+    assert values["daskps/rerun"] == 0.0
+
+
+def test_a_step_function_sets_the_step_written_and_the_plots_x(strategy, coordinator):
+    """step=: the optimizer's iterations, say (several per function here), for TensorBoard and the plot alike."""
+    with strategy.scope():
+        iterations = dps.Variable(np.int64(1000), name="iterations_for_the_logger")  # as after a resumed run
+    rows = []
+    writer = type("W", (), {"add_scalar": lambda self, *row: rows.append(row), "flush": lambda self: None})()
+    logger = dps.summary.ScalarLogger(coordinator, writer, {"seven": lambda: 7}, every_n_steps=2,
+                                      step=lambda: int(iterations.numpy()))
+    for _ in range(2):
+        coordinator.schedule(lambda: iterations.assign_add(np.int64(4)))  # 4 optimizer steps per function
+    coordinator.join()
+    assert logger.poll() is True
+    assert ("seven", 7.0, 1008) in rows and {step for _, _, step in rows} == {1008}
+    events = [e for _, e in strategy.client.get_events(METRICS_TOPIC) if e["strategy"] == strategy.token]
+    assert events[-1]["step"] == 1008 and events[-1]["values"]["seven"] == 7.0
+    with pytest.raises(TypeError, match=r"step must be a function of no arguments returning the step .*got int"):
+        dps.summary.ScalarLogger(coordinator, None, step=5)
 
 
 def test_a_mean_with_no_value_since_its_reset_is_left_out_not_written_as_zero(strategy, coordinator, tmp_path):

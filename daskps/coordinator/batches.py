@@ -166,7 +166,7 @@ class _Reporter:
         with self.lock:
             outbox, self.outbox, self.timer = self.outbox, [], False
         if outbox:
-            self.worker.log_event(self.topic, [self.batch_key, outbox])
+            self.worker.log_event(self.topic, [self.batch_key, outbox, str(self.worker.name)])  # ran by whom
 
 
 def _cancelled(worker: Any, key: str) -> bool:

@@ -82,13 +82,14 @@ MAX_RERUNS = 3
 class _Closure:
     """One scheduled function: its pickle, what it keeps alive, what became of it (its RemoteValue's outcome)."""
 
-    __slots__ = ("id", "blob", "kept", "outcome", "reruns", "batch", "generation", "staleness")
+    __slots__ = ("id", "blob", "kept", "outcome", "reruns", "batch", "generation", "staleness", "trainer")
 
     def __init__(self, cid: int, blob: tuple[bytes, bytes], kept: list[Any], outcome: Outcome, staleness: int = 0):
         self.id, self.blob, self.kept, self.outcome, self.staleness = cid, blob, kept, outcome, staleness
         self.reruns = 0
         self.batch: str | None = None  # the key of the batch it is in; None while queued
         self.generation = 0  # of the servers its trainer knew as it started (see generation_known)
+        self.trainer = ""  # the name of the trainer whose report settled it last ("" before any)
 
 
 def _checked_staleness(k: Any) -> int:
@@ -253,6 +254,9 @@ class ClusterCoordinator:
         client.subscribe_topic(self._topic, functools.partial(self._deliver, weakref.ref(self)))
         weakref.finalize(self, _unsubscribe, client, self._topic)
         self.stats = {"scheduled": 0, "done": 0, "failed": 0, "cancelled": 0, "rerun": 0}
+        # The same "done", "failed" and "rerun" per trainer (by worker name): what the dashboard, /metrics
+        # and the repr show per trainer (each function counted where its report came from).
+        self.trainer_stats: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         self._published_at = 0.0  # when the counts last went to the scheduler (its /metrics shows them)
         self._publish_later = False
         # Functions finished, by the generation of servers their trainer knew (see _finished_by_generation).
@@ -407,10 +411,11 @@ class ClusterCoordinator:
         self._publish_later = False
         self._published_at = time.monotonic()
         with self._cond:
-            stats = dict(self.stats, recoveries=len(self.recoveries), in_flight=len(self._pending))
+            stats: dict[str, Any] = dict(self.stats, recoveries=len(self.recoveries), in_flight=len(self._pending))
+            stats["trainers"] = {name: dict(counts) for name, counts in self.trainer_stats.items()}
         asyncio.ensure_future(self._send_stats(stats))
 
-    async def _send_stats(self, stats: dict[str, int]) -> None:
+    async def _send_stats(self, stats: dict[str, Any]) -> None:
         with contextlib.suppress(Exception):  # an older scheduler plugin, or the client closing: nothing lost
             await self._client.scheduler.daskps_coordinator_stats(token=self._strategy.token, stats=stats)
 
@@ -433,10 +438,11 @@ class ClusterCoordinator:
 
     def _on_event(self, event: tuple[float, Any]) -> None:
         """On the client's event loop: functions finished on a trainer."""
-        _, (batch_key, finished) = event
+        _, (batch_key, finished, *by) = event
         if batch_key == LOST:
             self._on_lost(finished)
             return
+        trainer = str(by[0]) if by else ""
         with self._cond:
             reports = [FunctionReport(*row) for row in finished]
             took = sum(r.seconds for r in reports) / len(reports)  # a few events to follow a change
@@ -447,6 +453,7 @@ class ClusterCoordinator:
                 if closure is None or closure.outcome.state != PENDING or closure.batch != batch_key:
                     continue  # cancelled or queued again meanwhile
                 closure.generation = generation
+                closure.trainer = trainer
                 if status == BIG:
                     continue  # its result comes with the batch
                 if status == ERROR:
@@ -466,6 +473,8 @@ class ClusterCoordinator:
         self._pending.pop(closure.id, None)
         ok = closure.outcome.state != "error"
         self.stats["done" if ok else "failed"] += 1
+        if closure.trainer:
+            self.trainer_stats[closure.trainer]["done" if ok else "failed"] += 1
         if ok:
             self._done_by_generation[closure.generation] += 1
         if self._fetching or not self._pending or self._error is not None:
@@ -580,7 +589,9 @@ class ClusterCoordinator:
         """Queue ``closure`` again, before the functions scheduled after it (under the lock)."""
         self._recovery.requeued()
         self.stats["rerun"] += 1
-        closure.batch = None
+        if closure.trainer:  # it failed there (one never run, behind a failed one in its batch, has none)
+            self.trainer_stats[closure.trainer]["rerun"] += 1
+        closure.batch, closure.trainer = None, ""
         index = bisect.bisect_left([c.id for c in self._queue], closure.id)
         self._queue.insert(index, closure)
 

@@ -74,10 +74,21 @@ class ScalarLogger:
         Examples one scheduled function trains on: adds ``examples_per_second``.
     interval : float
         Seconds between two looks at the coordinator's counts.
+    step : callable, optional
+        A function of no arguments returning the step to write at. By
+        default a write's step is the number of functions completed (by
+        this coordinator: it starts again at 0 in a new run). Pass
+        ``lambda: int(optimizer.iterations.numpy())`` to write at the
+        optimizer's step instead, as Keras' ``TensorBoard`` callback does:
+        it goes on across runs resumed from a checkpoint, and it is the step
+        a training script prints.
 
     Tags written besides ``metrics``: ``daskps/functions_per_second`` and
-    ``daskps/examples_per_second`` (since the previous write), and
-    ``daskps/failed`` (functions failed so far). Use it as a context manager,
+    ``daskps/examples_per_second`` (since the previous write),
+    ``daskps/failed`` (functions failed for good so far) and ``daskps/rerun``
+    (functions queued again after a parameter server was lost): the
+    coordinator's ``summary()`` counts, as the dashboard and ``/metrics``
+    show them. Use it as a context manager,
     or call :meth:`start` and :meth:`stop`; stopping writes the last step.
     A metric that cannot be read is skipped with one warning: a log must
     not stop training.
@@ -92,9 +103,11 @@ class ScalarLogger:
     _lock: threading.Lock
     _thread: threading.Thread | None
     _own: bool
+    step_fn: Any
 
     def __init__(self, coordinator: ClusterCoordinator, logdir: Any, metrics: dict[str, Any] | None = None,
-                 every_n_steps: int = 100, examples_per_step: float | None = None, interval: float = 0.2):
+                 every_n_steps: int = 100, examples_per_step: float | None = None, interval: float = 0.2,
+                 step: Any = None):
         if not isinstance(coordinator, ClusterCoordinator):
             raise TypeError(f"coordinator must be a ClusterCoordinator, got {type(coordinator).__name__}")
         if not is_int(every_n_steps) or every_n_steps < 1:
@@ -104,6 +117,9 @@ class ScalarLogger:
             raise ValueError(f"examples_per_step must be a positive number or None, got {examples_per_step!r}")
         if isinstance(interval, bool) or not isinstance(interval, numbers.Real) or not interval > 0:
             raise ValueError(f"interval must be a positive number of seconds, got {interval!r}")
+        if step is not None and not callable(step):
+            raise TypeError(f"step must be a function of no arguments returning the step (such as lambda: "
+                            f"int(optimizer.iterations.numpy())) or None, got {type(step).__name__}")
         metrics = dict(metrics or {})
         for tag, metric in metrics.items():
             if not isinstance(tag, str) or not (callable(getattr(metric, "result", None)) or callable(metric)):
@@ -122,7 +138,8 @@ class ScalarLogger:
         self.every_n_steps = int(every_n_steps)
         self.examples_per_step = examples_per_step
         self.interval = float(interval)
-        self.steps: list[int] = []  # the steps written so far
+        self.step_fn = step
+        self.steps: list[int] = []  # the steps written at so far
         self._last: tuple[int, float] = (coordinator.summary()["done"], time.monotonic())
         self._unreadable: set[str] = set()
         self._stop = threading.Event()
@@ -158,13 +175,14 @@ class ScalarLogger:
         return False
 
     def write(self, step: int) -> None:
-        """Write every scalar at ``step`` now."""
+        """Write every scalar now; ``step``: the functions completed (the step written, without ``step=``)."""
         with self._lock:
             now = time.monotonic()
             s = self.coordinator.summary()
             before, then = self._last
             rate = (step - before) / max(now - then, 1e-9)
-            scalars = {"daskps/functions_per_second": rate, "daskps/failed": float(s["failed"])}
+            scalars = {"daskps/functions_per_second": rate, "daskps/failed": float(s["failed"]),
+                       "daskps/rerun": float(s["rerun"])}
             if self.examples_per_step is not None:
                 scalars["daskps/examples_per_second"] = rate * float(self.examples_per_step)
             for tag, metric in self.metrics.items():
@@ -180,12 +198,18 @@ class ScalarLogger:
                         self._unreadable.add(tag)
                         warnings.warn(f"ScalarLogger: metric {tag!r} could not be read ({type(exc).__name__}: "
                                       f"{exc}); it is left out", RuntimeWarning, stacklevel=2)
+            try:
+                at = step if self.step_fn is None else int(self.step_fn())
+            except PSUnavailableError:
+                if self.coordinator.checkpoint_manager is None:
+                    raise  # lost for good: one warning (see _guarded)
+                return  # its server is being re-created: the next look writes
             if self.writer is not None:
                 for tag, value in scalars.items():
-                    self.writer.add_scalar(tag, value, step)
+                    self.writer.add_scalar(tag, value, at)
                 self.writer.flush()
-            self._tell_scheduler(step, scalars)
-            self.steps.append(step)
+            self._tell_scheduler(at, scalars)
+            self.steps.append(at)
             self._last = (step, now)
 
     def _tell_scheduler(self, step: int, scalars: dict[str, float]) -> None:
@@ -202,7 +226,7 @@ class ScalarLogger:
         if self._thread is not None:
             self._thread.join()
         done = self.coordinator.summary()["done"]
-        if (not self.steps or self.steps[-1] != done) and done > self._last[0]:
+        if done > self._last[0]:  # functions completed since the last write
             self._guarded(lambda: self.write(done))
         if self._own:
             self._guarded(self.writer.close)

@@ -13,7 +13,6 @@ import inspect
 import logging
 import multiprocessing
 import os
-import re
 import sys
 import tempfile
 import time
@@ -26,6 +25,7 @@ from dask.utils import parse_timedelta
 from distributed import Client, Nanny, Scheduler, Security, SpecCluster, Worker
 from distributed.core import Status
 
+from daskps.ps.quantities import natural_key
 from daskps.ui.dashboard import add_to_navigation, register_page
 
 __all__ = ["DaskClusterResolver", "LocalPSCluster"]
@@ -293,10 +293,6 @@ def cluster_workers(client: Client) -> dict[str, dict[str, Any]]:
     return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
 
 
-def _natural_key(text: str) -> list[Any]:
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", text)]
-
-
 class DaskClusterResolver:
     """Finds the parameter servers and trainers of a Dask cluster.
 
@@ -341,7 +337,7 @@ class DaskClusterResolver:
             for addr, w in info.items()
             if w.get("resources", {}).get(resource, 0) > 0
         ]
-        return sorted(found, key=lambda item: (_natural_key(item[0]), item[1]))
+        return sorted(found, key=lambda item: (natural_key(item[0]), item[1]))
 
     def ps_workers(self) -> list[tuple[str, str]]:
         return self._workers(self.ps_resource)

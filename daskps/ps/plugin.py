@@ -4,8 +4,9 @@
 :class:`DaskPSSchedulerPlugin` (``dask scheduler --preload daskps.dashboard``
 adds it at start). It notes where each parameter-server actor lives,
 which scheduled functions of each batch have reported (a batch that runs
-again after its trainer died skips them), and how many each trainer
-completed or failed (the dashboard page shows both); when a worker leaves it tells every server
+again after its trainer died skips them), each coordinator's counts (per
+strategy and per trainer: :mod:`daskps.ps.quantities`) and each trainer's
+function durations; when a worker leaves it tells every server
 to forget the handles that worker's process held, so a trainer that dies
 holding handles leaks nothing. Code above can also leave a *cleanup* with it:
 a function to run on every worker once a given server is gone, however it
@@ -19,7 +20,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
 from typing import Any, NamedTuple
 
 import dask.config
@@ -31,6 +31,7 @@ from distributed.protocol.pickle import dumps
 from daskps.ps import prometheus, protocol
 from daskps.ps.group import parse_server_key
 from daskps.ps.ledger import InputLedger
+from daskps.ps.quantities import TrainerCounts, trainer_counts
 from daskps.ps.routing import ServerRef
 from daskps.ps.timeline import KEEP_STRATEGIES, Timeline
 from daskps.ps.worker_state import WORKER_PLUGIN_NAME, mmap_threshold
@@ -74,8 +75,7 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
     def __init__(self, scheduler: Any = None) -> None:
         self.scheduler = scheduler
         self.servers: dict[str, str] = {}  # actor key -> worker address
-        self.completed: Counter[str] = Counter()  # worker address -> scheduled functions finished
-        self.failed: Counter[str] = Counter()
+        self.trainer_names: dict[str, str] = {}  # worker address -> name, of trainers that reported
         self.cleanups: dict[str, dict[str, tuple[bytes, bytes]]] = {}  # server key -> id -> (function, args)
         self.reported: dict[str, set[int]] = {}  # batch key -> functions whose result went out
         self.replaced: dict[str, str] = {}  # actor key of a lost server -> the server that took its place
@@ -84,7 +84,7 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
         self.inputs: dict[str, InputLedger] = {}  # dps.data datasets: who reads which partition or batch
         # For the Prometheus endpoint (daskps.ps.prometheus): the latest of each.
         self.server_snapshot: list[dict[str, Any]] = []  # each server's stats() as a row
-        self.coordinator_stats: dict[str, dict[str, int]] = {}  # strategy token -> its coordinator's counts
+        self.coordinator_stats: dict[str, dict[str, Any]] = {}  # strategy token -> its coordinator's counts
         self.checkpoint_saves = {"count": 0, "seconds": 0.0, "bytes": 0, "last_seconds": 0.0}
         self._refresher: asyncio.Task | None = None
         self.timeline = Timeline()  # what the dashboard's plots show
@@ -126,8 +126,8 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
                 elif self.server_snapshot:
                     self.server_snapshot = []
                 if self.servers or self.coordinator_stats:
-                    self.timeline.record(time.time(), self.server_snapshot, self.coordinator_stats, self.completed,
-                                         self.failed)
+                    self.timeline.record(time.time(), self.server_snapshot, self.coordinator_stats,
+                                         self.trainer_counts())
             except Exception:  # never stop looking: the next tick may do
                 logger.exception("daskps: could not refresh the parameter servers' numbers")
             try:
@@ -156,7 +156,11 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
             self.coordinator_stats.pop(token, None)
             self.timeline.metrics.pop(token, None)
 
-    def coordinator_reported(self, token: str, stats: dict[str, int]) -> None:
+    def trainer_counts(self) -> dict[str, TrainerCounts]:
+        """Per trainer name: functions completed, failed and re-run, of every strategy (see quantities)."""
+        return trainer_counts(self.coordinator_stats)
+
+    def coordinator_reported(self, token: str, stats: dict[str, Any]) -> None:
         """A coordinator's counts (it sends them at most twice a second): the latest are kept, for 64 strategies."""
         self.coordinator_stats.pop(token, None)
         self.coordinator_stats[token] = stats
@@ -197,13 +201,16 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
             return
         if not topic.startswith(BATCH_TOPIC_PREFIX):
             return
-        batch_key, finished = msg
+        batch_key, finished, *_ = msg  # [batch key, reports, the trainer's name]
         if batch_key == LOST:
             return
         ts = self.scheduler.tasks.get(batch_key) if self.scheduler is not None else None
         # A batch the scheduler has forgotten (cancelled) never runs again: its late report is not kept.
         reported = self.reported.setdefault(batch_key, set()) if ts is not None else set()
-        where = ts.processing_on.address if ts is not None and ts.processing_on is not None else None
+        ws = ts.processing_on if ts is not None else None
+        where = str(ws.name) if ws is not None else None
+        if ws is not None:
+            self.trainer_names[ws.address] = str(ws.name)
         safe = []
         for report in (FunctionReport(*row) for row in finished):
             if report.status != "big":  # a big value lives on its trainer until the batch ends: not safe yet
@@ -211,7 +218,6 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
             if report.status == "ok":  # one that failed may run again (its server was lost): same batches
                 safe.append(report.function)
             if where is not None:
-                (self.failed if report.status == "error" else self.completed)[where] += 1
                 self.timeline.function_ran(where, report.seconds)
         for ledger in self.inputs.values():
             if ledger.topic == topic and ledger.queues:
@@ -254,9 +260,9 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
                 for key, address in sorted(self.servers.items())]
 
     def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:
-        self.timeline.trainer_left(worker)
-        self.completed.pop(worker, None)  # its series end; workers that come and go leave nothing behind
-        self.failed.pop(worker, None)
+        name = self.trainer_names.pop(worker, None)
+        if name is not None and name not in self.trainer_names.values():  # not back under a new address
+            self.timeline.trainer_left(name)  # its durations go; workers that come and go leave nothing behind
         for ledger in self.inputs.values():
             ledger.lost(worker)
         servers = [s for s in self.server_refs() if s.address != worker]

@@ -24,6 +24,7 @@ from typing import Any
 import dask.config
 
 from daskps.ps.group import strategy_token
+from daskps.ps.quantities import bytes_held, server_name
 
 # (name after the prefix, kind, labels besides "scheduler", help)
 METRICS = [
@@ -38,13 +39,15 @@ METRICS = [
     ("server_up", "gauge", ("server", "address", "strategy"), "1 if the parameter server answered the last look, else 0"),
     ("functions_scheduled", "counter", ("strategy",), "Functions a coordinator has scheduled"),
     ("functions_completed", "counter", ("strategy",), "Scheduled functions that completed"),
-    ("functions_failed", "counter", ("strategy",), "Scheduled functions that raised"),
+    ("functions_failed", "counter", ("strategy",), "Scheduled functions that failed for good (raised to join())"),
     ("functions_cancelled", "counter", ("strategy",), "Scheduled functions cancelled before they ran"),
     ("functions_rerun", "counter", ("strategy",), "Scheduled functions queued again after a parameter server was lost"),
     ("functions_in_flight", "gauge", ("strategy",), "Scheduled functions not finished yet"),
     ("recoveries", "counter", ("strategy",), "Lost parameter servers re-created and restored"),
     ("trainer_functions_completed", "counter", ("trainer",), "Scheduled functions a trainer completed"),
-    ("trainer_functions_failed", "counter", ("trainer",), "Scheduled functions that raised on a trainer"),
+    ("trainer_functions_failed", "counter", ("trainer",), "Scheduled functions that failed for good on a trainer"),
+    ("trainer_functions_rerun", "counter", ("trainer",),
+     "Scheduled functions that failed on a trainer as a parameter server was lost, and were queued again"),
     ("checkpoint_saves", "counter", (), "Checkpoints written"),
     ("checkpoint_save_seconds", "counter", (), "Seconds spent writing checkpoints, in all"),
     ("checkpoint_last_save_seconds", "gauge", (), "Seconds the latest checkpoint took to write"),
@@ -74,11 +77,11 @@ class DaskPSCollector:
         for plugin in list(self.plugins):
             scheduler = getattr(plugin.scheduler, "address", "") or ""
             for row in plugin.server_snapshot:
-                labels = [scheduler, f"ps-{row['task']}", row["address"], strategy_token(row["key"])]
+                labels = [scheduler, server_name(row), row["address"], strategy_token(row["key"])]
                 families["server_up"].add_metric(labels, 0.0 if "error" in row else 1.0)
                 if "error" in row:
                     continue
-                families["server_bytes"].add_metric(labels, row["nbytes"] + row["slot_nbytes"])
+                families["server_bytes"].add_metric(labels, bytes_held(row))
                 families["server_variables"].add_metric(labels, row["num_variables"])
                 families["server_reads"].add_metric(labels, row["reads"])
                 families["server_updates"].add_metric(labels, row["updates"])
@@ -92,9 +95,10 @@ class DaskPSCollector:
                                     ("functions_rerun", "rerun"), ("functions_in_flight", "in_flight"),
                                     ("recoveries", "recoveries")):
                     families[name].add_metric(labels, stats.get(field, 0))
-            for trainer in sorted(set(plugin.completed) | set(plugin.failed)):
-                families["trainer_functions_completed"].add_metric([scheduler, trainer], plugin.completed[trainer])
-                families["trainer_functions_failed"].add_metric([scheduler, trainer], plugin.failed[trainer])
+            for trainer, counts in plugin.trainer_counts().items():
+                families["trainer_functions_completed"].add_metric([scheduler, trainer], counts.completed)
+                families["trainer_functions_failed"].add_metric([scheduler, trainer], counts.failed)
+                families["trainer_functions_rerun"].add_metric([scheduler, trainer], counts.rerun)
             saves = plugin.checkpoint_saves
             families["checkpoint_saves"].add_metric([scheduler], saves["count"])
             families["checkpoint_save_seconds"].add_metric([scheduler], saves["seconds"])

@@ -15,7 +15,9 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, NamedTuple
 
-SERVER_FIELDS = ("bytes", "reads", "updates", "bytes_read", "bytes_received")
+from daskps.ps.quantities import TrainerCounts, bytes_held, server_name
+
+SERVER_FIELDS = ("bytes", "reads", "updates", "bytes_read", "bytes_received")  # bytes: quantities.bytes_held
 KEEP_STRATEGIES = 64  # strategies whose metric values are kept
 
 
@@ -24,14 +26,14 @@ def server_label(row: dict[str, Any], with_strategy: bool) -> str:
     from daskps.ps.group import strategy_token  # (the server key's format)
 
     token = strategy_token(row.get("key", ""))[:8]
-    return f"ps-{row['task']} ({token})" if with_strategy else f"ps-{row['task']}"
+    return f"{server_name(row)} ({token})" if with_strategy else server_name(row)
 
 
 class Tick(NamedTuple):
     time: float  # seconds since the epoch
     servers: dict[str, tuple[int, ...]]  # "ps-N" -> SERVER_FIELDS
-    coordinators: dict[str, dict[str, int]]  # strategy token -> its counts
-    trainers: dict[str, tuple[int, int]]  # worker address -> (completed, failed)
+    coordinators: dict[str, dict[str, Any]]  # strategy token -> its counts
+    trainers: dict[str, TrainerCounts]  # trainer name -> (completed, failed, rerun)
 
 
 class Timeline:
@@ -44,8 +46,8 @@ class Timeline:
         self.metrics: dict[str, deque[tuple[float, int, dict[str, float]]]] = {}  # token -> (time, step, values)
         self._durations, self._metric_points = durations, metric_points
 
-    def record(self, now: float, servers: list[dict[str, Any]], coordinators: dict[str, dict[str, int]],
-               completed: dict[str, int], failed: dict[str, int]) -> None:
+    def record(self, now: float, servers: list[dict[str, Any]], coordinators: dict[str, dict[str, Any]],
+               trainers: dict[str, TrainerCounts]) -> None:
         """One tick: the servers' stats rows (as the plugin fetched them) and the counts at ``now``."""
         rows: dict[str, tuple[int, ...]] = {}
         tables = {}
@@ -54,15 +56,14 @@ class Timeline:
             if "error" in row:
                 continue
             label = server_label(row, several)
-            rows[label] = (row["nbytes"] + row["slot_nbytes"], row["reads"], row["updates"], row["bytes_read"],
+            rows[label] = (bytes_held(row), row["reads"], row["updates"], row["bytes_read"],
                            row.get("bytes_received", 0))
             names = row.get("variables", {})
             reads, updates = row.get("table_reads", {}), row.get("table_updates", {})
             for key in names:
                 tables[key] = (names[key][0], label, reads.get(key, 0), updates.get(key, 0))
         self.tables = tables
-        trainers = {t: (completed.get(t, 0), failed.get(t, 0)) for t in set(completed) | set(failed)}
-        self.ticks.append(Tick(now, rows, {k: dict(v) for k, v in coordinators.items()}, trainers))
+        self.ticks.append(Tick(now, rows, {k: dict(v) for k, v in coordinators.items()}, dict(trainers)))
 
     def function_ran(self, trainer: str, seconds: float) -> None:
         self.durations.setdefault(trainer, deque(maxlen=self._durations)).append(seconds)

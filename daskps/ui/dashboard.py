@@ -30,6 +30,7 @@ import dask.config
 from dask.utils import format_bytes, parse_timedelta
 
 from daskps.ps.plugin import PLUGIN_NAME, DaskPSSchedulerPlugin
+from daskps.ps.quantities import TrainerCounts, bytes_held, natural_key, server_name
 from daskps.ui.plots import PAGES, make_app
 
 ROUTE = "/individual-daskps"
@@ -46,24 +47,24 @@ def page_html(rows: list[dict[str, Any]], rates: dict[str, tuple[float, float]],
         "server", "address", "bytes held", "variables", "shards", "reads/s", "updates/s", "state"))
     body = []
     for r in rows:
-        task = r["task"]
         if "error" in r:
-            cells = [f"ps {task}", r["address"], "", "", "", "", "", f"unreachable ({r['error']})"]
+            cells = [server_name(r), r["address"], "", "", "", "", "", f"unreachable ({r['error']})"]
         else:
             names = [v[0] for v in r.get("variables", {}).values()]
             reads, updates = rates.get(r["key"], (0.0, 0.0))
-            cells = [f"ps {task}", r["address"], format_bytes(r["nbytes"]), r["num_variables"],
+            cells = [server_name(r), r["address"], format_bytes(bytes_held(r)), r["num_variables"],
                      sum("/part_" in n for n in names), f"{reads:,.1f}", f"{updates:,.1f}", "ok"]
         body.append("<tr>" + "".join(_cell(c) for c in cells) + "</tr>")
     plugin = scheduler.plugins.get(PLUGIN_NAME)
+    counts = plugin.trainer_counts() if plugin is not None else {}
+    live = {str(ws.name): ws.address for ws in scheduler.workers.values() if ws.resources.get("worker")}
     trainers = []
-    for ws in sorted(scheduler.workers.values(), key=lambda w: str(w.name)):
-        if ws.resources.get("worker"):
-            done = plugin.completed.get(ws.address, 0) if plugin else 0
-            failed = plugin.failed.get(ws.address, 0) if plugin else 0
-            trainers.append("<tr>" + "".join(_cell(c) for c in (ws.name, ws.address, f"{done:,}", f"{failed:,}")) + "</tr>")
+    for name in sorted(set(live) | set(counts), key=natural_key):  # those gone keep the counts they made
+        done, failed, rerun = counts.get(name, TrainerCounts(0, 0, 0))
+        trainers.append("<tr>" + "".join(_cell(c) for c in (
+            name, live.get(name, "(gone)"), f"{done:,}", f"{failed:,}", f"{rerun:,}")) + "</tr>")
     thead = "".join(f"<th style='text-align:left;padding:2px 12px'>{h}</th>" for h in (
-        "trainer", "address", "functions completed", "failed"))
+        "trainer", "address", "functions completed", "failed", "re-run"))
     note = "" if rows else "<p>No parameter servers yet: create a ParameterServerStrategy on this cluster.</p>"
     return (
         "<h3>daskps parameter servers</h3>" + note
@@ -82,7 +83,7 @@ def _hash_tables_html(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         for key, counts in sorted(r.get("counts", {}).items()):
             name = r["variables"][key][0] if key in r.get("variables", {}) else key
-            cells = [name, f"ps {r['task']}", *(f"{counts.get(f, 0):,}" for f in fields)]
+            cells = [name, server_name(r), *(f"{counts.get(f, 0):,}" for f in fields)]
             body.append("<tr>" + "".join(_cell(c) for c in cells) + "</tr>")
     if not body:
         return ""

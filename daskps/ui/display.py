@@ -14,6 +14,7 @@ import dask.config
 from dask.utils import format_bytes, parse_timedelta
 
 from daskps.ps import protocol
+from daskps.ps.quantities import bytes_held, server_name
 from daskps.ps.routing import ServerRef
 
 
@@ -44,8 +45,8 @@ def server_rows(view: StrategyView) -> list[dict[str, Any]]:
         if isinstance(res, BaseException):
             row["status"] = f"unreachable: {type(res).__name__}: {res}"
         else:
-            row.update(status="ok", variables=res.num_variables, nbytes=res.nbytes, reads=res.reads,
-                       updates=res.updates, bytes_read=res.bytes_read)
+            row.update(status="ok", variables=res.num_variables, nbytes=res.nbytes, slot_nbytes=res.slot_nbytes,
+                       reads=res.reads, updates=res.updates, bytes_read=res.bytes_read)
         rows.append(row)
     return rows
 
@@ -60,10 +61,10 @@ def strategy_html(view: StrategyView) -> str:
     rows = []
     for r in server_rows(view):
         if r["status"] == "ok":
-            rows.append([f"ps {r['task']}", r["address"], r["variables"], format_bytes(r["nbytes"]),
+            rows.append([server_name(r), r["address"], r["variables"], format_bytes(bytes_held(r)),
                          f"{r['reads']:,}", f"{r['updates']:,}", "ok"])
         else:
-            rows.append([f"ps {r['task']}", r["address"], "", "", "", "", r["status"]])
+            rows.append([server_name(r), r["address"], "", "", "", "", r["status"]])
     trainers = [[f"worker {i}", name, addr] for i, (name, addr) in enumerate(view.trainers)]
     link = view.dashboard_link
     return (
@@ -80,10 +81,10 @@ def strategy_text(view: StrategyView) -> str:
     lines = [view.title, f"dashboard: {view.dashboard_link}"]
     for r in server_rows(view):
         if r["status"] == "ok":
-            lines.append(f"  ps {r['task']} {r['address']}: {r['variables']} variables, "
-                         f"{format_bytes(r['nbytes'])}, {r['reads']:,} reads, {r['updates']:,} updates")
+            lines.append(f"  {server_name(r)} {r['address']}: {r['variables']} variables, "
+                         f"{format_bytes(bytes_held(r))}, {r['reads']:,} reads, {r['updates']:,} updates")
         else:
-            lines.append(f"  ps {r['task']} {r['address']}: {r['status']}")
+            lines.append(f"  {server_name(r)} {r['address']}: {r['status']}")
     lines += [f"  worker {i}: {name} {addr}" for i, (name, addr) in enumerate(view.trainers)]
     return "\n".join(lines)
 

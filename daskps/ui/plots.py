@@ -54,8 +54,10 @@ class SeriesFigure:
                              name=title)
         self.figure.yaxis.axis_label = y_label
         self.figure.xaxis.axis_label = "time" if x == "time" else x
-        if y_label.startswith("bytes"):
-            self.figure.yaxis.formatter = NumeralTickFormatter(format="0.0 b")
+        # plain numbers with separators (not 1.400e+5); bytes in binary units with enough digits that
+        # neighbouring ticks of a narrow range read differently (469.1 KiB, 469.2 KiB, not 469 KiB twice)
+        self.figure.yaxis.formatter = NumeralTickFormatter(
+            format="0.[000] b" if y_label.startswith("bytes") else "0,0.[000]")
         _keep_ranges_in_the_browser(self.figure)
         self.names: list[str] = []
         self._pending: list[tuple[float, dict[str, float]]] = []
@@ -234,8 +236,7 @@ class MetricsPage(Page):
         many = len(timeline.metrics) > 1
         for token, _, step, values in self.new_metric_points(timeline):
             mine = {(f"{token[:8]} {k}" if many else k): v for k, v in values.items() if not k.startswith("daskps/")}
-            if mine:
-                self.values.add(step, mine)
+            self.values.add(step, mine)  # a metric left out at this step (no value yet) is a NaN: a gap
 
 
 class ServersPage(Page):
@@ -307,9 +308,10 @@ class TrainersPage(Page):
         return [self.functions.figure, self.durations.figure, self.failures.figure]
 
     def tick(self, previous: Tick, tick: Tick) -> None:
-        self.functions.add(tick.time, _rates(previous, tick, lambda t: {w: float(c) for w, (c, _) in t.trainers.items()}))
-        self.failures.add(tick.time, {
-            "failed": float(sum(f for _, f in tick.trainers.values())),
+        self.functions.add(tick.time, _rates(previous, tick, lambda t: {w: float(c.completed)
+                                                                       for w, c in t.trainers.items()}))
+        self.failures.add(tick.time, {  # the coordinators' counts, as /metrics' functions_failed and _rerun
+            "failed": float(sum(s.get("failed", 0) for s in tick.coordinators.values())),
             "re-run": float(sum(s.get("rerun", 0) for s in tick.coordinators.values())),
         })
 
