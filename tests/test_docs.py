@@ -1,9 +1,10 @@
 """The documentation runs as written, and builds with warnings as errors.
 
-Every ```python block of ``docs/**/*.md`` runs here, page by page, with sybil:
-the blocks of one page run in order in one namespace whose ``__name__`` is
-``"__main__"``, as in the notebook or IPython session each page describes, so
-the page's first block starts the one cluster the page shares. Blocks fenced
+Every ```python block of ``docs/**/*.md`` runs here, page by page: the blocks
+of one page are pasted in order into one file, as written, and run with
+``python`` (a page's later blocks sit inside the guard of the block that
+starts its cluster, so the file is a script Dask's worker processes can
+import), so the page's first block starts the one cluster the page shares. Blocks fenced
 otherwise (``console``, ``text``, ``python-not-run``) are not run, except the
 console blocks listed in ``CONSOLE`` (a cluster of ``dask`` processes), which
 run as written with bash before the page's Python. README.md's blocks are run
@@ -27,13 +28,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from distributed import Client
-from sybil import Sybil
-from sybil.parsers.myst import PythonCodeBlockParser
 
 import daskps as dps
 
 from .conftest import dask_cli_cluster
+from .test_readme import python_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -43,6 +42,8 @@ CONSOLE_FENCE = re.compile(r"^```console\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 CONSOLE = {"howto/cluster.md": 0, "user-guide/security.md": 0}
 # What each page's run waits for once its console block ran: a file the commands write, the workers.
 CONSOLE_READY = {"howto/cluster.md": ("cluster.json", 4), "user-guide/security.md": ("tls-cluster.json", 2)}
+# Pages about notebooks: their blocks are one notebook's cells (no guard: worker processes import no notebook).
+NOTEBOOK_PAGES = {"howto/notebook.md"}
 # Pages that need an optional library: skipped, saying so, where it is missing.
 NEEDS = {"user-guide/models.md": ["jax", "torch", "keras"], "user-guide/keras.md": ["jax", "keras", "dask.array"], "user-guide/datasets.md": ["dask.dataframe", "pyarrow"],
          "user-guide/security.md": ["cryptography"], "user-guide/dashboard.md": ["tensorboardX"],
@@ -57,7 +58,7 @@ PRINTS = {
     "user-guide/checkpoints.md": [r"no checkpoint: starting afresh\n(.*\n)?epoch 1: .*ckpt-1\nepoch 2: .*ckpt-2\n",
                                   r"resumed from resume-checkpoints/ckpt-2: epoch 2, step 100\n(.*\n)?epoch 3: .*ckpt-3\n"
                                   r"epoch 4: .*ckpt-4\n"],
-    "user-guide/datasets.md": [r"True\n", r"10000 rows evaluated\n", r"OutOfRangeError: "],
+    "user-guide/datasets.md": [r"True\n", r"\n10000 rows read\n", r"10000 rows evaluated\n", r"OutOfRangeError: "],
     "howto/cluster.md": [r"\[20\. 20\. 20\. 20\.\]\n"],
     "user-guide/security.md": [r"tls://127\.0\.0\.1:\d+\n", r"\[10\. 10\. 10\.\]\n", r"\[0\. 1\. 2\.\]\n"],
     "porting.md": [r"epoch 2: loss 0\.[0-2]"],
@@ -67,9 +68,6 @@ PRINTS = {
     "user-guide/keras.md": [r"\['accuracy', 'learning_rate', 'loss', 'val_accuracy', 'val_loss'\]\n",
                             r"val_accuracy 0\.9\d\n", r"True\n200\n", r"\(2000, 2\) \(500, 500, 500, 500\) 0\.\d+\n", r"\nTrue\n"],
 }
-
-SYBIL = Sybil(parsers=[PythonCodeBlockParser()], path=str(ROOT))
-
 
 def _pages() -> list[str]:
     skip = {"_build", "generated", "jupyter_execute"}
@@ -96,42 +94,48 @@ def _wait_for_cluster(page: str, cwd: Path, security=None) -> None:
         time.sleep(0.2)
 
 
-def _close_everything(namespace: dict) -> None:
-    """What a page left open, in the order a user would close it: strategies, clients, clusters."""
-    values = list(namespace.values())
-    for kind in (dps.ParameterServerStrategy, Client, dps.LocalPSCluster):
-        for value in values:
-            if isinstance(value, kind):
-                with contextlib.suppress(Exception):
-                    value.close()
+def page_script(page: str) -> str:
+    """The page's ```python blocks pasted in order into one file, as written: a reader's script.
+
+    After a block that starts a cluster under ``if __name__ == "__main__":``, the page's next blocks are
+    indented into that guard, so the file runs as pasted (Dask's worker processes import it again).
+    """
+    return "\n".join(block.code for block in python_blocks((DOCS / page).read_text()))
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("page", PAGES_WITH_PYTHON)
-def test_every_python_block_of_the_page_runs_in_order(page, tmp_path, monkeypatch, capsys):
+def test_every_python_block_of_the_page_runs_in_order_as_one_script(page, tmp_path):
     for module in NEEDS.get(page, []):
         pytest.importorskip(module, reason=f"{page} needs {module} (in the test extra)")
-    monkeypatch.chdir(tmp_path)  # what the blocks write (checkpoints, runs/) lands here
-    document = SYBIL.parse(DOCS / page)
-    document.namespace["__name__"] = "__main__"  # a notebook's or IPython's, where the guard is true
-    examples = list(document)
-    assert len(examples) == len(PYTHON_FENCE.findall((DOCS / page).read_text())), (
-        f"{page}: sybil found {len(examples)} Python blocks, the page has another number of ```python fences")
+    if page in NOTEBOOK_PAGES:  # a page about notebooks: its blocks are the cells of one, run in a kernel
+        import nbformat
+        from nbclient import NotebookClient
+
+        cells = [nbformat.v4.new_code_cell(b.code) for b in python_blocks((DOCS / page).read_text())]
+        nb = nbformat.v4.new_notebook(cells=cells)
+        NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+        printed = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", ()))
+        for expected in PRINTS.get(page, []):
+            assert re.search(expected, printed), f"{page} printed no match for {expected!r}:\n{printed}"
+        return
+    script = page_script(page)
+    assert len(python_blocks((DOCS / page).read_text())) == len(PYTHON_FENCE.findall((DOCS / page).read_text()))
+    (tmp_path / "page.py").write_text(script)  # what the blocks write (checkpoints, runs/) lands beside it
     console = _run_console_block(page, tmp_path) if page in CONSOLE else None
     try:
         if console is not None:
             _wait_for_cluster(page, tmp_path)
-        for example in examples:
-            example.evaluate()
-        printed = capsys.readouterr().out
-        for expected in PRINTS.get(page, []):
-            assert re.search(expected, printed), f"{page} printed no match for {expected!r}:\n{printed}"
+        out = subprocess.run([sys.executable, "page.py"], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=540)
     finally:
-        _close_everything(document.namespace)
         if console is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(console.pid, signal.SIGTERM)
             console.wait(30)
+    assert out.returncode == 0, f"{page}, pasted in order into one script, failed:\n{out.stderr[-4000:]}"
+    for expected in PRINTS.get(page, []):
+        assert re.search(expected, out.stdout), f"{page} printed no match for {expected!r}:\n{out.stdout}"
 
 
 def _free_names(source: str) -> set[str]:
