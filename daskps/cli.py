@@ -9,6 +9,8 @@ import sys
 from daskps.coordinator.summary import TENSORBOARD_MISSING
 from daskps.demo import INPUTS, JAX_MISSING, KERAS_MISSING, MODELS, DemoConfig, run_demo
 
+RESUMED_SLACK = 0.01  # test log-loss a resumed run may end above its start and still exit 0
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="daskps", description=__doc__)
@@ -71,7 +73,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ndaskps demo: interrupted; the cluster is shut down. Checkpoints are in {args.checkpoint_dir}: "
               "run the same command again to resume from the latest.", file=sys.stderr)
         return 130  # as a shell reports a command stopped by SIGINT
-    learned = result["epochs_trained"] == 0 or result["log_loss"] < result["start_log_loss"]
+    # Exit 1 when training made the model worse. A fresh run must improve on its start; a resumed one
+    # starts near the plateau, where asynchronous training moves the test loss by a few thousandths
+    # either way, so it may end up to RESUMED_SLACK above where it started.
+    slack = RESUMED_SLACK if result["resumed_from"] is not None else 0.0
+    learned = result["epochs_trained"] == 0 or result["log_loss"] < result["start_log_loss"] + slack
     return 0 if learned else 1
 
 

@@ -314,7 +314,7 @@ def _train(config: DemoConfig, cluster, log, step_maths) -> dict:
     strategy, model, optimizer, train_loss = _build(config, client)
     table, items, u, v, w, b = (model[k] for k in ("table", "items", "u", "v", "w", "b"))
     log(f"embedding table {table.shape} in {len(getattr(table, 'variables', [table]))} shards: "
-        + ", ".join(v.device.split("/")[3].replace("task:", "ps ") for v in getattr(table, "variables", [table])))
+        + ", ".join(v.device.split("/")[3].replace("task:", "ps-") for v in getattr(table, "variables", [table])))
     log(f"item table {items.shape}: each example's bag of 1-{MAX_ITEMS} items pooled (mean) on the servers, "
         "one vector per bag each way (dps.embedding_lookup_sparse)")
     ckpt = dps.Checkpoint(model=model, optimizer=optimizer)

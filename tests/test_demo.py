@@ -203,3 +203,33 @@ def test_keep_open_keeps_the_dashboard_up_until_ctrl_c(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert "Ctrl-C: closing the cluster" in out and proc.returncode == 0, out[-2000:]
+
+
+@pytest.mark.timeout(600)
+def test_the_readme_path_demo_then_more_epochs_then_a_kill(tmp_path):
+    """The README's commands in order, in one directory, as a newcomer runs them: `daskps demo`, again with
+    `--epochs 10`, then `--kill-ps-in-epoch 2` (nothing left to train: it says what to pass), then that."""
+    import os
+    import re
+
+    daskps = os.path.join(os.path.dirname(sys.executable), "daskps")
+
+    def demo(*args):
+        out = subprocess.run([daskps, "demo", *args], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout + out.stderr
+
+    first = demo()
+    assert "epoch  6/6" in first and "daskps dashboard: http://127.0.0.1:" in first
+    assert (tmp_path / "daskps-demo-checkpoints" / "ckpt-6").is_dir()
+    more = demo("--epochs", "10")
+    assert "resumed from" in more and "ckpt-6 (epoch 6, optimizer step 720)" in more and "epoch 10/10" in more
+    told = demo("--kill-ps-in-epoch", "2")
+    assert "killing ps-0" not in told and "re-created" not in told
+    suggested = re.search(r"e\.g\. (--epochs \d+ --kill-ps-in-epoch \d+)", told)
+    assert suggested, told  # says exactly why not, and what to pass
+    assert "--kill-ps-in-epoch 2: nothing is killed, as this run trains no epoch (the latest checkpoint has " \
+           "10 epochs)" in told
+    killed = demo(*suggested.group(1).split())
+    assert re.search(r"killing ps-0 \(pid \d+\)", killed), killed
+    assert "lost parameter server re-created" in killed and "epoch 11/11" in killed
