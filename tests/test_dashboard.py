@@ -220,3 +220,17 @@ def test_a_plot_page_says_there_are_no_servers_until_the_plugin_is_there():
         scheduler.add_plugin(DaskPSSchedulerPlugin(scheduler), name=PLUGIN_NAME)
         refresh()
         assert note.text == ""
+
+
+def test_axes_read_as_plain_numbers_and_bytes_in_binary_steps():
+    """Counts and rates with separators, not 1.400e+5; bytes in KiB/MiB with ticks a power of two of bytes
+    apart, so neighbouring ticks of a narrow range read differently."""
+    from bokeh.models import AdaptiveTicker
+
+    from daskps.ui.plots import SeriesFigure
+
+    held = SeriesFigure("Bytes held", "bytes").figure.yaxis[0]
+    assert held.formatter.format == "0.[000] b"
+    assert isinstance(held.ticker, AdaptiveTicker) and held.ticker.base == 2 and list(held.ticker.mantissas) == [1]
+    rate = SeriesFigure("Reads per second", "values/s").figure.yaxis[0]
+    assert rate.formatter.format == "0,0.[000]"

@@ -44,7 +44,7 @@ class SeriesFigure:
     """A figure with one line per named series over time; a series gets its line when it first appears."""
 
     def __init__(self, title: str, y_label: str, x: str = "time"):
-        from bokeh.models import ColumnDataSource, NumeralTickFormatter
+        from bokeh.models import AdaptiveTicker, ColumnDataSource, NumeralTickFormatter
         from bokeh.plotting import figure
 
         self.x = x
@@ -58,6 +58,8 @@ class SeriesFigure:
         # neighbouring ticks of a narrow range read differently (469.1 KiB, 469.2 KiB, not 469 KiB twice)
         self.figure.yaxis.formatter = NumeralTickFormatter(
             format="0.[000] b" if y_label.startswith("bytes") else "0,0.[000]")
+        if y_label.startswith("bytes"):  # ticks a power of two of bytes apart: 468.5 KiB, 469 KiB, ...
+            self.figure.yaxis.ticker = AdaptiveTicker(base=2, mantissas=[1], min_interval=1, num_minor_ticks=0)
         _keep_ranges_in_the_browser(self.figure)
         self.names: list[str] = []
         self._pending: list[tuple[float, dict[str, float]]] = []
