@@ -270,13 +270,13 @@ def test_first_error_wins(coordinator, client):
     assert Event(f"{name}-raised", client=client).wait(30), "the late function never raised"
 
     def reported():  # this coordinator's functions whose reports reached the scheduler (its event log)
-        return {row[0] for _, (key, rows) in client.get_events(coordinator._topic) if key != LOST for row in rows}
+        return {row[0] for _, (key, rows, *_) in client.get_events(coordinator._topic) if key != LOST for row in rows}
 
     deadline = time.monotonic() + 30
     while 1 not in reported():  # the second scheduled (ids count from 0)
         assert time.monotonic() < deadline, "the late function's report never reached the scheduler"
         time.sleep(0.01)
-    (late_batch, reported_at), = [(key, at) for at, (key, rows) in client.get_events(coordinator._topic)
+    (late_batch, reported_at), = [(key, at) for at, (key, rows, *_) in client.get_events(coordinator._topic)
                                   if key != LOST and any(row[0] == 1 for row in rows)]
 
     def forgotten_at(dask_scheduler):  # when the scheduler forgot the late function's batch (cancelled)

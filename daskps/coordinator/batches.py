@@ -3,7 +3,7 @@
 The coordinator packs several scheduled functions into one Dask task (see
 :mod:`daskps.coordinator.coordinator`). On the trainer, :func:`run_batch`
 runs them in schedule order and, as they finish, logs events
-``[batch_key, [FunctionReport, ...]]`` (:class:`daskps.ps.plugin.FunctionReport`) to the coordinator's
+``[batch_key, [FunctionReport, ...], trainer_name]`` (:class:`daskps.ps.plugin.FunctionReport`) to the coordinator's
 topic (``generation``: of the re-created servers the trainer knew as the function started):
 the result (pickled, when small) or the error reaches the coordinator at
 once, through the scheduler. The scheduler plugin notes which functions of a

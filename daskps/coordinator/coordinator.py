@@ -254,9 +254,9 @@ class ClusterCoordinator:
         client.subscribe_topic(self._topic, functools.partial(self._deliver, weakref.ref(self)))
         weakref.finalize(self, _unsubscribe, client, self._topic)
         self.stats = {"scheduled": 0, "done": 0, "failed": 0, "cancelled": 0, "rerun": 0}
-        # The same "done", "failed" and "rerun" per trainer (by worker name): what the dashboard, /metrics
-        # and the repr show per trainer (each function counted where its report came from).
-        self.trainer_stats: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        # The same "done", "failed" and "rerun" per trainer (by worker name), sent with the counts: what the
+        # dashboard and /metrics show per trainer (each function counted where its report came from).
+        self._trainer_stats: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         self._published_at = 0.0  # when the counts last went to the scheduler (its /metrics shows them)
         self._publish_later = False
         # Functions finished, by the generation of servers their trainer knew (see _finished_by_generation).
@@ -412,7 +412,7 @@ class ClusterCoordinator:
         self._published_at = time.monotonic()
         with self._cond:
             stats: dict[str, Any] = dict(self.stats, recoveries=len(self.recoveries), in_flight=len(self._pending))
-            stats["trainers"] = {name: dict(counts) for name, counts in self.trainer_stats.items()}
+            stats["trainers"] = {name: dict(counts) for name, counts in self._trainer_stats.items()}
         asyncio.ensure_future(self._send_stats(stats))
 
     async def _send_stats(self, stats: dict[str, Any]) -> None:
@@ -474,7 +474,7 @@ class ClusterCoordinator:
         ok = closure.outcome.state != "error"
         self.stats["done" if ok else "failed"] += 1
         if closure.trainer:
-            self.trainer_stats[closure.trainer]["done" if ok else "failed"] += 1
+            self._trainer_stats[closure.trainer]["done" if ok else "failed"] += 1
         if ok:
             self._done_by_generation[closure.generation] += 1
         if self._fetching or not self._pending or self._error is not None:
@@ -590,7 +590,7 @@ class ClusterCoordinator:
         self._recovery.requeued()
         self.stats["rerun"] += 1
         if closure.trainer:  # it failed there (one never run, behind a failed one in its batch, has none)
-            self.trainer_stats[closure.trainer]["rerun"] += 1
+            self._trainer_stats[closure.trainer]["rerun"] += 1
         closure.batch, closure.trainer = None, ""
         index = bisect.bisect_left([c.id for c in self._queue], closure.id)
         self._queue.insert(index, closure)

@@ -21,6 +21,7 @@ from typing import Any
 
 from daskps._core.arrays import is_int
 from daskps.coordinator.coordinator import ClusterCoordinator
+from daskps.coordinator.recovery import RecoveryState
 from daskps.errors import PSUnavailableError
 from daskps.ps.plugin import METRICS_TOPIC
 
@@ -166,6 +167,12 @@ class ScalarLogger:
                 warnings.warn(f"ScalarLogger: could not write scalars ({type(exc).__name__}: {exc}); "
                               "it goes on trying", RuntimeWarning, stacklevel=2)
 
+    def _recovering(self) -> bool:
+        """Whether a lost server is (or is about to be) re-created: the coordinator has a checkpoint manager
+        and no recovery of it failed. A read may fail before the coordinator hears of the loss."""
+        return (self.coordinator.checkpoint_manager is not None
+                and self.coordinator.recovery_state is not RecoveryState.HALTED)
+
     def poll(self) -> bool:
         """Write now if another ``every_n_steps`` functions have completed since the last write."""
         done = self.coordinator.summary()["done"]
@@ -192,7 +199,7 @@ class ScalarLogger:
                         continue
                     scalars[tag] = value
                 except Exception as exc:
-                    if isinstance(exc, PSUnavailableError) and self.coordinator.checkpoint_manager is not None:
+                    if isinstance(exc, PSUnavailableError) and self._recovering():
                         continue  # its server is being re-created from the checkpoint: a gap at this step, quietly
                     if tag not in self._unreadable:
                         self._unreadable.add(tag)
@@ -201,7 +208,7 @@ class ScalarLogger:
             try:
                 at = step if self.step_fn is None else int(self.step_fn())
             except PSUnavailableError:
-                if self.coordinator.checkpoint_manager is None:
+                if not self._recovering():
                     raise  # lost for good: one warning (see _guarded)
                 return  # its server is being re-created: the next look writes
             if self.writer is not None:

@@ -123,7 +123,12 @@ class LocalPSCluster(SpecCluster):
             base["dashboard_address"] = f"{LOCALHOST}:0"
             base["silence_logs"] = logging.ERROR
             # Ctrl-C reaches the script alone: worker processes ignore SIGINT (the script's close stops them)
-            base["preload"] = [*(dask.config.get("distributed.worker.preload") or []), PRELOAD]
+            yours = dask.config.get("distributed.worker.preload") or []
+            yours = [yours] if isinstance(yours, str) else list(yours)
+            base["preload"] = [*yours, PRELOAD]
+            argv = dask.config.get("distributed.worker.preload-argv") or []
+            if argv and isinstance(argv[0], (list, tuple)):  # one list per preload: ours takes none
+                base["preload_argv"] = [*argv, []]
 
         def spec(resource: str) -> dict[str, Any]:
             return {"cls": cls, "options": {**base, "resources": {resource: 1}}}

@@ -12,6 +12,8 @@ so scheduled functions may capture it and call ``strategy.run`` on a worker.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextvars
 import inspect
 import logging
@@ -23,6 +25,7 @@ from typing import Any
 import dask.config
 from dask.utils import parse_timedelta
 from distributed import Client, default_client
+from distributed.comm import connect, parse_address
 from distributed.deploy import Cluster
 
 from daskps._core.arrays import check_trainable_flag, check_variable_args
@@ -433,10 +436,19 @@ def _resolve(cluster_resolver: Any) -> tuple[DaskClusterResolver, bool]:
 
 
 def _connect(address: str) -> Client:
-    """A client of the scheduler at ``address``, or an error naming it within ``daskps.scheduler-timeout``."""
+    """A client of the scheduler at ``address``, or an error naming it within ``daskps.scheduler-timeout``.
+
+    A tcp address is first tried with a bare connection bounded by that
+    timeout; the client is then made with Dask's own timeouts, which it
+    keeps for later waits (reconnecting, closing), so the short one does not
+    outlive the first contact.
+    """
     timeout = parse_timedelta(dask.config.get("daskps.scheduler-timeout"))
     try:
-        return Client(address, timeout=timeout)
+        scheme, _ = parse_address(address)
+        if scheme == "tcp":
+            _probe(address, timeout)
+        return Client(address)
     except ValueError as exc:  # an address Dask cannot parse
         raise ValueError(f"cluster_resolver {address!r} is not a scheduler address such as "
                          f"'tcp://scheduler:8786': {exc}") from None
@@ -446,3 +458,16 @@ def _connect(address: str) -> Client:
             f"{exc}. Check the address (`dask scheduler` prints it as 'Scheduler at: ...') and that "
             "the scheduler is running"
         ) from None
+
+
+def _probe(address: str, timeout: float) -> None:
+    """Open and close one connection to ``address`` (OSError within ``timeout`` if nothing answers).
+
+    On a thread of its own, with its own event loop: the caller's thread may be running one (Jupyter).
+    """
+    async def probe() -> None:
+        comm = await connect(address, timeout=timeout)
+        await comm.close()
+
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="daskps-probe") as pool:
+        pool.submit(asyncio.run, probe()).result()

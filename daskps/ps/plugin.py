@@ -31,7 +31,7 @@ from distributed.protocol.pickle import dumps
 from daskps.ps import prometheus, protocol
 from daskps.ps.group import parse_server_key
 from daskps.ps.ledger import InputLedger
-from daskps.ps.quantities import TrainerCounts, trainer_counts
+from daskps.ps.quantities import TrainerCounts, merge_trainer_stats, trainer_counts
 from daskps.ps.routing import ServerRef
 from daskps.ps.timeline import KEEP_STRATEGIES, Timeline
 from daskps.ps.worker_state import WORKER_PLUGIN_NAME, mmap_threshold
@@ -55,7 +55,7 @@ LOST = "daskps-lost-servers"
 class FunctionReport(NamedTuple):
     """How one scheduled function ended, as its batch reports it on the coordinator's topic.
 
-    Events carry ``[batch_key, [report, ...]]``; Dask's event log turns the
+    Events carry ``[batch_key, [report, ...], trainer_name]``; Dask's event log turns the
     records into lists on the way, so receivers rebuild them with
     ``FunctionReport(*row)``.
     """
@@ -85,6 +85,7 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
         # For the Prometheus endpoint (daskps.ps.prometheus): the latest of each.
         self.server_snapshot: list[dict[str, Any]] = []  # each server's stats() as a row
         self.coordinator_stats: dict[str, dict[str, Any]] = {}  # strategy token -> its coordinator's counts
+        self.retired_trainer_stats: dict[str, Any] = {}  # per-trainer counts of strategies no longer kept
         self.checkpoint_saves = {"count": 0, "seconds": 0.0, "bytes": 0, "last_seconds": 0.0}
         self._refresher: asyncio.Task | None = None
         self.timeline = Timeline()  # what the dashboard's plots show
@@ -153,19 +154,27 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
         """The last server of a strategy is gone: its counts leave /metrics and the plots."""
         token = parse_server_key(server_key)[1]  # type: ignore[index]
         if not any(parse_server_key(k)[1] == token for k in self.hosts):  # type: ignore[index]
-            self.coordinator_stats.pop(token, None)
+            self._retire(token)
             self.timeline.metrics.pop(token, None)
+
+    def _retire(self, token: str) -> None:
+        """A strategy's counts leave; what its functions did on each trainer stays in the trainers' totals
+        (a counter of /metrics never goes down while the trainer is there)."""
+        stats = self.coordinator_stats.pop(token, None)
+        if stats is not None:
+            self.retired_trainer_stats = {"trainers": merge_trainer_stats(
+                self.retired_trainer_stats.get("trainers", {}), stats.get("trainers") or {})}
 
     def trainer_counts(self) -> dict[str, TrainerCounts]:
         """Per trainer name: functions completed, failed and re-run, of every strategy (see quantities)."""
-        return trainer_counts(self.coordinator_stats)
+        return trainer_counts({**self.coordinator_stats, "": self.retired_trainer_stats})
 
     def coordinator_reported(self, token: str, stats: dict[str, Any]) -> None:
         """A coordinator's counts (it sends them at most twice a second): the latest are kept, for 64 strategies."""
         self.coordinator_stats.pop(token, None)
         self.coordinator_stats[token] = stats
         while len(self.coordinator_stats) > KEEP_STRATEGIES:
-            del self.coordinator_stats[next(iter(self.coordinator_stats))]
+            self._retire(next(iter(self.coordinator_stats)))
     def transition(self, key: Any, start: str, finish: str, *args: Any, stimulus_id: str, **kwargs: Any) -> None:
         if not isinstance(key, str) or not key.startswith("daskps-"):
             return
@@ -187,7 +196,7 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
                 asyncio.ensure_future(_run_on_workers(self.scheduler, list(todo.values())))
 
     def log_event(self, topic: str, msg: Any) -> None:
-        """Scheduled functions finished: ``[batch_key, [FunctionReport fields, ...]]``; checkpoints written."""
+        """Scheduled functions finished: ``[batch_key, [FunctionReport fields, ...], trainer name]``; checkpoints written."""
         if topic == METRICS_TOPIC:
             self.timeline.metric_values(str(msg["strategy"]), time.time(), int(msg["step"]),
                                         {str(k): float(v) for k, v in msg["values"].items()})
@@ -201,16 +210,17 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
             return
         if not topic.startswith(BATCH_TOPIC_PREFIX):
             return
-        batch_key, finished, *_ = msg  # [batch key, reports, the trainer's name]
+        batch_key, finished, *by = msg  # [batch key, reports, the trainer's name]
         if batch_key == LOST:
             return
         ts = self.scheduler.tasks.get(batch_key) if self.scheduler is not None else None
         # A batch the scheduler has forgotten (cancelled) never runs again: its late report is not kept.
         reported = self.reported.setdefault(batch_key, set()) if ts is not None else set()
         ws = ts.processing_on if ts is not None else None
-        where = str(ws.name) if ws is not None else None
         if ws is not None:
             self.trainer_names[ws.address] = str(ws.name)
+        # the trainer that ran them, as it says (the batch may be processing elsewhere by now)
+        where = str(by[0]) if by else (str(ws.name) if ws is not None else None)
         safe = []
         for report in (FunctionReport(*row) for row in finished):
             if report.status != "big":  # a big value lives on its trainer until the batch ends: not safe yet

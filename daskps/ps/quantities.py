@@ -59,3 +59,14 @@ def trainer_counts(coordinator_stats: Mapping[str, Mapping[str, Any]]) -> dict[s
             total[1] += int(counts.get("failed", 0))
             total[2] += int(counts.get("rerun", 0))
     return {name: TrainerCounts(*totals[name]) for name in sorted(totals)}
+
+
+def merge_trainer_stats(a: Mapping[str, Mapping[str, int]], b: Mapping[str, Mapping[str, int]]
+                        ) -> dict[str, dict[str, int]]:
+    """Two ``{trainer: {"done", "failed", "rerun"}}`` maps added up (a retired strategy's into the rest)."""
+    merged = {name: dict(counts) for name, counts in a.items()}
+    for name, counts in b.items():
+        into = merged.setdefault(str(name), {})
+        for field in ("done", "failed", "rerun"):
+            into[field] = int(into.get(field, 0)) + int(counts.get(field, 0))
+    return merged
