@@ -76,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     # Exit 1 when training made the model worse. A fresh run must improve on its start; a resumed one
     # starts near the plateau, where asynchronous training moves the test loss by a few thousandths
     # either way, so it may end up to RESUMED_SLACK above where it started.
-    slack = RESUMED_SLACK if result["resumed_from"] is not None else 0.0
-    learned = result["epochs_trained"] == 0 or result["log_loss"] < result["start_log_loss"] + slack
+    learned = result["epochs_trained"] == 0 or result["log_loss"] < result["start_log_loss"] + (
+        RESUMED_SLACK if result["resumed_from"] is not None else 0.0)
     return 0 if learned else 1
 
 

@@ -257,6 +257,18 @@ def _start(args, env):
     return subprocess.Popen([sys.executable, "-m", *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def start_dask_scheduler(tmp_path, procs: list, env, args=()) -> str:
+    """``dask scheduler`` on 127.0.0.1 (its process appended to ``procs``); its address once it is up."""
+    sched_file = tmp_path / "scheduler.json"
+    procs.append(_start(["distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", "0",
+                         "--dashboard-address", "127.0.0.1:0", "--scheduler-file", str(sched_file), *args], env))
+    deadline = time.monotonic() + 60
+    while not sched_file.exists():
+        assert time.monotonic() < deadline, "dask scheduler did not start"
+        time.sleep(0.05)
+    return json.loads(sched_file.read_text())["address"]
+
+
 @contextlib.contextmanager
 def dask_cli_cluster(tmp_path, resources, scheduler_args=(), worker_env=None, scheduler_env=None):
     """A real ``dask scheduler`` and one ``dask worker`` per resource, on 127.0.0.1; yields a Client.
@@ -266,16 +278,9 @@ def dask_cli_cluster(tmp_path, resources, scheduler_args=(), worker_env=None, sc
     those environment variables instead. ``scheduler_env``: the scheduler's.
     """
     env = {**os.environ, "DASK_DISTRIBUTED__WORKER__DAEMON": "False"}
-    sched_file = tmp_path / "scheduler.json"
-    procs = [_start(["distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", "0",
-                     "--dashboard-address", "127.0.0.1:0", "--scheduler-file", str(sched_file),
-                     *scheduler_args], {**env, **(scheduler_env or {})})]
+    procs: list[subprocess.Popen] = []
     try:
-        deadline = time.monotonic() + 60
-        while not sched_file.exists():
-            assert time.monotonic() < deadline, "dask scheduler did not start"
-            time.sleep(0.1)
-        address = json.loads(sched_file.read_text())["address"]
+        address = start_dask_scheduler(tmp_path, procs, {**env, **(scheduler_env or {})}, scheduler_args)
         for resource in resources:
             flag = [] if isinstance(resource, dict) else ["--resources", resource]
             own = resource if isinstance(resource, dict) else {}

@@ -196,6 +196,7 @@ def test_every_surface_shows_the_same_numbers(tmp_path):
                 "failed" if field == "failed" else "re-run"][-1] == summary[field]
             assert scalars[tag][-1][1] == summary[field]
         assert _series(samples, "dask_daskps_recoveries_total", scheduler) == {strategy.token: 1}
+        assert _series(samples, "dask_daskps_checkpoint_saves_total", scheduler) == {None: 2}  # the two saves
 
         # The metric: the same (step, value) points in TensorBoard and on the Metrics plot, none a 0.
         logged = scalars["loss"]

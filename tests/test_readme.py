@@ -91,27 +91,21 @@ def test_the_script_against_a_scheduler_started_the_same_second_as_its_workers(t
 
     The script is started first and the workers once it says it is waiting, so the wait is always taken.
     """
-    import json
     import os
     import time
 
-    from tests.conftest import _start
+    from tests.conftest import _start, start_dask_scheduler
 
     first = next(b for b in CLUSTER_BLOCKS if not b.notebook)
     guard = first.code.index(GUARD)
     script = tmp_path / "script.py"
     script.write_text(first.code[:guard] + GUARD + "\n    import sys\n    main(sys.argv[1])\n")  # "replace the last two lines"
     env = {**os.environ, "DASK_DISTRIBUTED__WORKER__DAEMON": "False"}
-    sched_file = tmp_path / "scheduler.json"
-    procs = [_start(["distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", "0",
-                     "--dashboard-address", "127.0.0.1:0", "--scheduler-file", str(sched_file)], env)]
     stdout, stderr = tmp_path / "stdout", tmp_path / "stderr"
+    procs: list[subprocess.Popen] = []
     try:
+        address = start_dask_scheduler(tmp_path, procs, env)
         deadline = time.monotonic() + 60
-        while not sched_file.exists():
-            assert time.monotonic() < deadline, "dask scheduler did not start"
-            time.sleep(0.05)
-        address = json.loads(sched_file.read_text())["address"]
         with stdout.open("w") as out, stderr.open("w") as err:
             run = subprocess.Popen([sys.executable, str(script), address], cwd=tmp_path, stdout=out, stderr=err)
         procs.append(run)
