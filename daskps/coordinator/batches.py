@@ -30,12 +30,12 @@ import traceback
 from typing import Any
 
 import cloudpickle
-import dask.config
 from distributed.core import Status
 from distributed.protocol.pickle import dumps
 from distributed.utils import sync
 from distributed.worker import get_worker
 
+from daskps._core.config import setting
 from daskps._core.nest import map_structure
 from daskps._core.pickling import FunctionCache
 from daskps.coordinator.datasets import PerWorkerValues, local_worker_index, running_function
@@ -189,7 +189,7 @@ def _functions() -> FunctionCache:
     """This process's unpickled scheduled functions (``daskps.function-cache-size`` of them)."""
     global _FUNCTIONS
     if _FUNCTIONS is None:
-        _FUNCTIONS = FunctionCache(int(dask.config.get("daskps.function-cache-size")))
+        _FUNCTIONS = FunctionCache(setting("function_cache_size"))
     return _FUNCTIONS
 
 

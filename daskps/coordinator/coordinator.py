@@ -46,10 +46,10 @@ from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
-import dask.config
 from distributed import Client, as_completed
 
 from daskps._core.arrays import is_int
+from daskps._core.config import setting
 from daskps._core.pickling import dumps_or_explain, located
 from daskps.coordinator import recovery
 from daskps.coordinator.batches import BIG, ERROR, load_error, run_batch
@@ -356,7 +356,7 @@ class ClusterCoordinator:
             work = (len(self._pending)) * per  # queued and running
             useful = max(1, min(trainers, math.ceil(work / BATCH_SECONDS)))
             size = min(max(1, int(BATCH_SECONDS / per)), math.ceil(queued / useful))
-        size = min(size, int(dask.config.get("daskps.max-batch")))
+        size = min(size, setting("max_batch"))
         # Batches capped at daskps.max-batch: the work is more than one batch per trainer can carry, so
         # spread it (short functions would otherwise wait for a round trip per batch on one trainer).
         useful = min(trainers, max(useful, math.ceil(queued / size)))

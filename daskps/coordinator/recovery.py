@@ -34,10 +34,9 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-import dask.config
-from dask.utils import parse_timedelta
 from distributed import wait
 
+from daskps._core.config import setting
 from daskps.distribute.cluster import cluster_workers
 from daskps.errors import PSUnavailableError
 from daskps.ps import ops, protocol, refs
@@ -222,7 +221,7 @@ def _host(strategy: Any, group: Any, old: ServerRef, deadline: float) -> tuple[s
     """
     resource = strategy.cluster_resolver.ps_resource
     name = str(group.worker_names[old.task_id])
-    prefer_until = time.monotonic() + parse_timedelta(dask.config.get("daskps.recovery-same-worker-wait"))
+    prefer_until = time.monotonic() + setting("recovery_same_worker_wait")
     while True:
         workers = [(str(info.get("name", addr)), addr) for addr, info in cluster_workers(strategy.client).items()
                    if info.get("resources", {}).get(resource, 0) > 0 and addr != old.address]

@@ -21,10 +21,10 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 import dask.config
-from dask.utils import parse_timedelta
 from distributed import Client, Nanny, Scheduler, Security, SpecCluster, Worker
 from distributed.core import Status
 
+from daskps._core.config import setting
 from daskps.ps.quantities import natural_key
 from daskps.ui.dashboard import add_to_navigation, register_page
 
@@ -365,7 +365,7 @@ class DaskClusterResolver:
         join once the time is up.
         """
         if timeout is None:
-            timeout = parse_timedelta(dask.config.get("daskps.workers-timeout"))
+            timeout = setting("workers_timeout")
         start = time.monotonic()
         ps, trainers = self.ps_workers(), self.training_workers()
         if ps and trainers:

@@ -19,11 +19,11 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-import dask.config
 import numpy as np
 from distributed import Future, futures_of, wait, worker_client
 
 from daskps._core.arrays import is_int
+from daskps._core.config import setting
 
 __all__ = ["Batcher", "DaskInput", "from_dask", "one_pass", "partition_futures", "read_partition", "rows_per_partition",
            "slice_rows", "take_rows", "unpublish_later"]
@@ -326,7 +326,7 @@ class Batcher:
         self.rng = rng if rng is not None else np.random.default_rng()
         self.ready: deque[Any] = deque()  # batches made, not yet taken
         self.pool: list[list[Any]] = []  # rows not yet batched: segments, each a list over components
-        self.window = max(int(dask.config.get("daskps.data.shuffle-buffer-rows")), spec.batch_size)
+        self.window = max(setting("data_shuffle_buffer_rows"), spec.batch_size)
 
     def add(self, part: list[Any]) -> None:
         size, pooled = self.spec.batch_size, sum(_rows(seg[0]) for seg in self.pool)

@@ -19,10 +19,10 @@ import uuid
 import warnings
 from typing import Any, cast
 
-import dask.config
 import numpy as np
 
 from daskps._core.arrays import call_initializer, default_array, is_int
+from daskps._core.config import setting
 from daskps.distribute.partitioners import div_offsets
 from daskps.ps import ops, protocol, refs
 from daskps.ps.routing import ServerRef
@@ -166,7 +166,7 @@ def create_div_parts(
 
 
 def _warn_if_large(name: str, shape: tuple) -> None:
-    limit = float(dask.config.get("daskps.large-variable-elements"))
+    limit = setting("large_variable_elements")
     if np.prod(shape, dtype=np.float64) > limit:
         warnings.warn(
             f"variable {name!r} of shape {shape} is partitioned, but its initializer built the "

@@ -22,13 +22,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import dask.config
-from dask.utils import parse_timedelta
 from distributed import Client, default_client
 from distributed.comm import connect, parse_address
 from distributed.deploy import Cluster
 
 from daskps._core.arrays import check_trainable_flag, check_variable_args
+from daskps._core.config import setting
 from daskps.distribute import placement
 from daskps.distribute.cluster import DaskClusterResolver
 from daskps.distribute.context import (
@@ -443,7 +442,7 @@ def _connect(address: str) -> Client:
     keeps for later waits (reconnecting, closing), so the short one does not
     outlive the first contact.
     """
-    timeout = parse_timedelta(dask.config.get("daskps.scheduler-timeout"))
+    timeout = setting("scheduler_timeout")
     try:
         scheme, _ = parse_address(address)
         if scheme == "tcp":

@@ -22,19 +22,18 @@ import logging
 import time
 from typing import Any, NamedTuple
 
-import dask.config
-from dask.utils import parse_timedelta
 from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
+from daskps._core.config import setting
 from daskps.ps import prometheus, protocol
 from daskps.ps.group import parse_server_key
 from daskps.ps.ledger import InputLedger
 from daskps.ps.quantities import TrainerCounts, merge_trainer_stats, trainer_counts
 from daskps.ps.routing import ServerRef
 from daskps.ps.timeline import KEEP_STRATEGIES, Timeline
-from daskps.ps.worker_state import WORKER_PLUGIN_NAME, mmap_threshold
+from daskps.ps.worker_state import WORKER_PLUGIN_NAME
 from daskps.ps.worker_state import register as register_worker_plugin
 
 logger = logging.getLogger(__name__)
@@ -89,6 +88,7 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
         self.checkpoint_saves = {"count": 0, "seconds": 0.0, "bytes": 0, "last_seconds": 0.0}
         self._refresher: asyncio.Task | None = None
         self.timeline = Timeline()  # what the dashboard's plots show
+        self._said_interval = False  # a bad daskps.metrics-interval was logged
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
@@ -123,7 +123,7 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
             try:
                 if self.servers:
                     self.server_snapshot = await self.fetch_server_stats(
-                        parse_timedelta(dask.config.get("daskps.display-timeout")))
+                        setting("display_timeout"))
                 elif self.server_snapshot:
                     self.server_snapshot = []
                 if self.servers or self.coordinator_stats:
@@ -132,8 +132,11 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
             except Exception:  # never stop looking: the next tick may do
                 logger.exception("daskps: could not refresh the parameter servers' numbers")
             try:
-                interval = max(0.1, float(parse_timedelta(dask.config.get("daskps.metrics-interval"))))
-            except Exception:
+                interval = max(0.1, setting("metrics_interval"))
+            except ValueError as exc:  # said once, not silently: it looks every second meanwhile
+                if not self._said_interval:
+                    self._said_interval = True
+                    logger.error("daskps: %s; the scheduler asks the servers every 1 s meanwhile", exc)
                 interval = 1.0
             await asyncio.sleep(interval)
 
@@ -339,7 +342,7 @@ def close_input(dataset: str, dask_scheduler: Any = None) -> None:
 
 def install_plugin(client: Any) -> None:
     """Make sure the scheduler of ``client`` runs the plugin, and its workers daskps' worker plugin (once)."""
-    mmap_threshold(dask.config.get("daskps.worker-mmap-threshold"))  # a bad value is refused before anything
+    setting("worker_mmap_threshold")  # a bad value is refused before anything
 
     def has_plugins(dask_scheduler: Any) -> tuple[bool, bool]:
         return PLUGIN_NAME in dask_scheduler.plugins, WORKER_PLUGIN_NAME in dask_scheduler.worker_plugins

@@ -22,10 +22,9 @@ import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
-import dask.config
-from dask.utils import parse_timedelta
 from distributed.worker import get_worker
 
+from daskps._core.config import setting
 from daskps.errors import PSUnavailableError
 
 # This process, as a holder of server-side objects (see ParameterServer.acquire).
@@ -42,12 +41,12 @@ def holder_here() -> str:
 
 def connect_timeout() -> float:
     """Seconds to wait for a connection to a parameter server (config ``daskps.connect-timeout``)."""
-    return parse_timedelta(dask.config.get("daskps.connect-timeout"))
+    return setting("connect_timeout")
 
 
 def recovery_timeout() -> float:
     """Seconds a lost server's recovery may take (config ``daskps.recovery-timeout``)."""
-    return parse_timedelta(dask.config.get("daskps.recovery-timeout"))
+    return setting("recovery_timeout")
 
 
 class ServerRef(NamedTuple):

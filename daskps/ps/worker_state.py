@@ -28,10 +28,10 @@ import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import dask.config
-from dask.utils import parse_bytes
 from distributed.core import Status
 from distributed.diagnostics.plugin import WorkerPlugin
+
+from daskps._core.config import checked, setting
 
 WORKER_PLUGIN_NAME = "daskps-worker"
 
@@ -49,7 +49,7 @@ class DaskPSWorkerPlugin(WorkerPlugin):
 
     def setup(self, worker: Any) -> None:
         self.worker = worker
-        set_mmap_threshold(dask.config.get("daskps.worker-mmap-threshold"))
+        set_mmap_threshold(setting("worker_mmap_threshold"))
         _QUIET.workers.add(worker)
 
     def teardown(self, worker: Any) -> None:
@@ -100,16 +100,7 @@ logging.getLogger("distributed.worker").addFilter(_QUIET)
 
 def mmap_threshold(threshold: object) -> int:
     """``daskps.worker-mmap-threshold`` in bytes (0: leave malloc alone), or a ``ValueError`` naming the key."""
-    try:
-        if threshold is None or isinstance(threshold, bool):
-            raise ValueError
-        size = parse_bytes(threshold) if isinstance(threshold, str) else int(threshold)  # type: ignore[call-overload]
-    except (TypeError, ValueError):
-        size = -1
-    if not 0 <= size < 2**31:
-        raise ValueError(f"daskps.worker-mmap-threshold must be a size below 2 GiB such as '32MiB', "
-                         f"or 0 to leave malloc as Dask set it; got {threshold!r}")
-    return size
+    return int(checked("worker_mmap_threshold", threshold))
 
 
 def set_mmap_threshold(threshold: object) -> bool:

@@ -41,13 +41,13 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-import dask.config
 import distributed
 import fsspec
 import numpy as np
 
 from daskps._core import ckpt_io
 from daskps._core.arrays import is_int
+from daskps._core.config import setting
 from daskps.ps import protocol
 from daskps.ps.hash_table import SAVED_TENSORS, HashRestoreSpec
 from daskps.ps.plugin import CHECKPOINT_TOPIC
@@ -227,7 +227,7 @@ class Checkpoint:
             opts = [(p, o.server_key) for p, o in optimizers.items()] if t.slotted else []
             items += [(v.handle, name, offset, opts) for v, offset in t.parts]
         nbytes = sum(v.nbytes for t in tensors.values() for v, _ in t.parts)
-        show = progress if progress is not None else nbytes >= float(dask.config.get("daskps.progress-bytes"))
+        show = progress if progress is not None else nbytes >= setting("progress_bytes")
         run = lambda: protocol.save(path, items)  # noqa: E731
         records = _with_progress(run, f"saving {path}", nbytes, fs, root) if show else run()
         saved = _tensors(records)

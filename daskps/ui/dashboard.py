@@ -26,9 +26,9 @@ import html
 import time
 from typing import Any
 
-import dask.config
-from dask.utils import format_bytes, parse_timedelta
+from dask.utils import format_bytes
 
+from daskps._core.config import setting
 from daskps.ps.plugin import PLUGIN_NAME, DaskPSSchedulerPlugin
 from daskps.ps.quantities import TrainerCounts, bytes_held, natural_key, server_name
 from daskps.ui.plots import PAGES, make_app
@@ -107,7 +107,7 @@ def daskps_doc(scheduler: Any, extra: Any, doc: Any) -> None:
             return  # nothing new since the last refresh
         shown[0] = rows
         if plugin is not None and plugin.servers and not rows:  # opened before the plugin's first look
-            rows = await plugin.fetch_server_stats(parse_timedelta(dask.config.get("daskps.display-timeout")))
+            rows = await plugin.fetch_server_stats(setting("display_timeout"))
         rates = {}
         for r in rows:
             if "error" in r:

@@ -10,16 +10,16 @@ from __future__ import annotations
 import html
 from typing import Any, NamedTuple
 
-import dask.config
-from dask.utils import format_bytes, parse_timedelta
+from dask.utils import format_bytes
 
+from daskps._core.config import setting
 from daskps.ps import protocol
 from daskps.ps.quantities import bytes_held, server_name
 from daskps.ps.routing import ServerRef
 
 
 def display_timeout() -> float:
-    return parse_timedelta(dask.config.get("daskps.display-timeout"))
+    return setting("display_timeout")
 
 
 class StrategyView(NamedTuple):

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import dask.config
+from daskps._core.config import setting
 
 __all__ = ["ProgressBar", "watch"]
 
@@ -109,9 +109,7 @@ def _tqdm_bar(label: str, total: float, unit: str, file: Any, notebook: bool) ->
     Its own: with ``daskps.progress-bar: builtin``, without tqdm, and in a
     notebook without ipywidgets (where tqdm would fall back to plain text).
     """
-    choice = dask.config.get("daskps.progress-bar")
-    if choice not in ("auto", "builtin"):
-        raise ValueError(f"daskps.progress-bar must be 'auto' or 'builtin', got {choice!r}")
+    choice = setting("progress_bar")
     if choice == "builtin":
         return None
     try:
