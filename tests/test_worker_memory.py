@@ -86,4 +86,25 @@ def test_the_heartbeat_failure_of_a_closing_worker_is_not_logged_while_a_running
             assert quiet.filter(other)  # only that message
 
     asyncio.run(main())
-    assert _QuietHeartbeatAtClose in {type(f) for f in logging.getLogger("distributed.worker").filters}
+
+
+def test_importing_daskps_leaves_dasks_loggers_alone_until_a_worker_sets_up():
+    """No import-time side effects: the filter goes on Dask's worker logger in the worker plugin's setup."""
+    import subprocess
+    import sys
+
+    code = (
+        "import logging\n"
+        "import daskps\n"
+        "from daskps.ps.worker_state import _QUIET, DaskPSWorkerPlugin\n"
+        "log = logging.getLogger('distributed.worker')\n"
+        "assert log.filters == [], log.filters\n"
+        "class Worker: pass\n"
+        "w = Worker()\n"
+        "DaskPSWorkerPlugin().setup(w)\n"
+        "DaskPSWorkerPlugin().setup(w)\n"
+        "assert log.filters == [_QUIET], log.filters\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr

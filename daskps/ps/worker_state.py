@@ -50,6 +50,7 @@ class DaskPSWorkerPlugin(WorkerPlugin):
     def setup(self, worker: Any) -> None:
         self.worker = worker
         set_mmap_threshold(setting("worker_mmap_threshold"))
+        logging.getLogger("distributed.worker").addFilter(_QUIET)  # once: a logger keeps a filter only once
         _QUIET.workers.add(worker)
 
     def teardown(self, worker: Any) -> None:
@@ -94,8 +95,7 @@ class _QuietHeartbeatAtClose(logging.Filter):
 
 HEARTBEAT_FAILED = "Failed to communicate with scheduler during heartbeat."
 _CLOSING = frozenset({Status.closing, Status.closed, Status.closing_gracefully, Status.failed})
-_QUIET = _QuietHeartbeatAtClose()
-logging.getLogger("distributed.worker").addFilter(_QUIET)
+_QUIET = _QuietHeartbeatAtClose()  # on Dask's worker logger from the first worker plugin's setup (not at import)
 
 
 def mmap_threshold(threshold: object) -> int:

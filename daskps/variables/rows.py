@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from daskps._core.arrays import is_int
 from daskps._core.updates import check_indices
 from daskps.ps import protocol
 from daskps.variables.arraylike import ArrayLike
@@ -104,10 +105,6 @@ def _as_index(x: Any) -> Any:
     return x
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
 def _dims_used(x: Any) -> int:
     if x is None or x is Ellipsis or isinstance(x, (bool, np.bool_)):
         return 0
@@ -131,7 +128,7 @@ def getitem(sv: Any, index: Any) -> np.ndarray:
             break
     first: Any = parts[pos] if pos < len(parts) and parts[pos] is not Ellipsis else slice(None)
     n, offsets, shards = sv.shape[0], sv.row_offsets, sv.variables
-    if _is_int(first):
+    if is_int(first):
         row = int(first) % n
         s = int(np.searchsorted(offsets, row, side="right")) - 1
         parts[pos] = row - offsets[s]
@@ -155,9 +152,9 @@ def getitem_by_rows(sv: Any, index: Any) -> np.ndarray:
     if not parts or (isinstance(parts[0], np.ndarray) and parts[0].dtype == np.bool_ and parts[0].ndim != 1):
         return sv.numpy()[index]  # x[()], or a mask over several axes
     first, rest = parts[0], tuple(parts[1:])
-    basic_rest = all(_is_int(x) or isinstance(x, slice) for x in rest)
+    basic_rest = all(is_int(x) or isinstance(x, slice) for x in rest)
     n = sv.shape[0]
-    if _is_int(first) and basic_rest:
+    if is_int(first) and basic_rest:
         row = np.arange(n)[first]  # numpy's bounds check and message
         return read_plan(*sv.row_plan(np.array([row]), "index"))[0][rest]
     if basic_rest and (isinstance(first, slice) or (isinstance(first, np.ndarray) and first.dtype.kind in "iub")):
@@ -173,7 +170,7 @@ def _get_slice(sv: Any, parts: list, pos: int, first: slice) -> np.ndarray:
     """``sv[parts]`` where axis 0 is indexed by the slice ``first`` at ``parts[pos]``."""
     pieces, shards = _split_range(range(*first.indices(sv.shape[0])), sv.row_offsets), sv.variables
     named = pos < len(parts) and parts[pos] is not Ellipsis
-    if all(x is None or x is Ellipsis or isinstance(x, slice) or _is_int(x) for x in parts):
+    if all(x is None or x is Ellipsis or isinstance(x, slice) or is_int(x) for x in parts):
         # Basic indexing: each shard applies the whole index; only the result travels.
         items = []
         for s, local in pieces:
