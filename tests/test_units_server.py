@@ -389,3 +389,26 @@ def test_a_released_table_takes_the_bags_its_lookups_left_with_it():
     ps.execute([ops.ApplyGradients("opt", [("t", "bags", BagGrad(np.ones((1, 2), np.float32), lane="lane", token=1))])])
     np.testing.assert_array_equal(_value(ps, "t"), np.zeros((4, 2)))
     assert ps.execute([ops.Stats()])[0].calls["pooled_gradient_from_before_a_restore"] == 1
+
+
+def test_table_commands_are_operations_of_their_own_not_reads():
+    """An embedding table's keys, rows, counts and eviction go through TableCommand; a read with a name
+    instead of ids is refused, and a dense variable takes no command."""
+    from daskps.ps.hash_table import HashSpec
+
+    ps = _server(w=np.zeros(3))
+    spec = HashSpec(dim=2, dtype="float32", initializer=None, admit_after=1, evict_after_steps=None,
+                    capacity=None, part=0, parts=1)
+    ps.execute([ops.Create("t", "table", spec, "h")])
+    ps.execute([ops.Read(["t"], [np.array([7, 3], np.int64)])])  # a lookup makes rows 7 and 3
+    reads = ps.reads
+    keys, rows, stats = ps.execute([ops.TableCommand(["t"], "keys"), ops.TableCommand(["t"], "rows"),
+                                    ops.TableCommand(["t"], "stats")])
+    assert keys[0].tolist() == [3, 7] and rows[0].shape == (2, 2) and stats[0][0] == 2  # rows held, by key
+    assert ps.reads == reads and ps.calls["table_command"] == 3  # commands, not reads
+    with pytest.raises(TypeError, match="ids for embedding table 'table' must be integers"):
+        ps.execute([ops.Read(["t"], ["evict"])])  # no control through reads
+    with pytest.raises(ValueError, match="'name_w' is a dense variable: it takes no command 'evict'"):
+        ps.execute([ops.TableCommand(["w"], "evict")])
+    with pytest.raises(ValueError, match="embedding table 'table' has no command 'drop'"):
+        ps.execute([ops.TableCommand(["t"], "drop")])

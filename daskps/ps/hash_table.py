@@ -131,8 +131,6 @@ class HashTable(Table):
 
     # -- reads ---------------------------------------------------------------------
     def read(self, index: object, shared: bool) -> np.ndarray:
-        if isinstance(index, str):
-            return self._special(index)
         keys = check_keys(index, self.name, "ids", one_d=True)
         return self.lookup(keys)
 
@@ -152,7 +150,8 @@ class HashTable(Table):
         out[held] = self._values[rows[held]]
         return out
 
-    def _special(self, what: str) -> np.ndarray:
+    def command(self, what: str) -> np.ndarray:
+        """A :class:`~daskps.ps.ops.TableCommand`: the keys or rows held (by key), the counts, or an eviction."""
         if what in (KEYS, ROWS):
             live = np.flatnonzero(self._live)
             order = live[np.argsort(self._key[live], kind="stable")]  # by key: the same on every call
@@ -161,7 +160,7 @@ class HashTable(Table):
             return np.array(list(self.counts().values()), np.int64)
         if what == EVICT:
             return np.array(self.evict(), np.int64)
-        raise ValueError(f"embedding table {self.name!r} has no read {what!r}")
+        raise ValueError(f"embedding table {self.name!r} has no command {what!r}")
 
     def lookup(self, keys: np.ndarray) -> np.ndarray:
         """Rows of distinct ``keys``: made on first (admitted) sight; zeros for keys not admitted."""

@@ -142,6 +142,15 @@ class Stats(NamedTuple):
     """Counters and sizes (answered with :class:`ServerStats`)."""
 
 
+class TableCommand(NamedTuple):
+    """Run ``command`` on each table of ``keys`` (an embedding table's ``"keys"``, ``"rows"``, ``"stats"``,
+    ``"evict"``): answered with an array each. Not a read: it is counted as a command, and may change the
+    table (an eviction)."""
+
+    keys: list[str]
+    command: str
+
+
 class Isolate(NamedTuple):
     """First in a message: the next ``size`` operations (held-back pushes) each succeed or fail alone."""
 
@@ -149,7 +158,7 @@ class Isolate(NamedTuple):
 
 
 Op = Union[Create, Read, Update, AddOptimizer, ApplyGradients, PutBlob, GetBlob, Acquire, Release,
-           ForgetPlace, Save, StageRestore, CommitRestore, AbortRestore, Stats, Isolate]
+           ForgetPlace, Save, StageRestore, CommitRestore, AbortRestore, Stats, TableCommand, Isolate]
 # Operations whose fields may hold functions (initializers, optimizer transforms): pickled by value.
 CARRY_CODE = (Create, AddOptimizer)
 

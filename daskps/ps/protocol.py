@@ -185,6 +185,21 @@ def _read(items: Sequence[tuple[Target, ops.Index | None]]) -> list[np.ndarray]:
     return out
 
 
+def table_command(items: Sequence[tuple[Target, str]]) -> list[np.ndarray]:
+    """Each ``(target, command)``'s answer (see :class:`ops.TableCommand`): one message per server."""
+    targets = [t for t, _ in items]
+    calls: list[Call] = []
+    where: list[int] = []
+    for server, idx in _by_server(targets).items():
+        for i in idx:  # a command each: they may differ
+            calls.append((server, ops.TableCommand([items[i][0].key], items[i][1])))
+            where.append(i)
+    out: list[np.ndarray] = [None] * len(items)  # type: ignore[list-item]  # each filled below
+    for i, (value,) in zip(where, cast(list[list[np.ndarray]], call(calls, _owner(targets)))):
+        out[i] = value
+    return out
+
+
 def update(items: Sequence[tuple[Target, str, ops.Payload]]) -> None:
     """Apply checked ``(target, op, payload)`` updates: one call per server, all at once."""
     targets = [t for t, _, _ in items]

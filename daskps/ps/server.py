@@ -245,6 +245,10 @@ class ParameterServer:
         self.table_reads.update(op.keys)
         return out
 
+    def table_command(self, op: ops.TableCommand) -> list[np.ndarray]:
+        """Each table's answer to ``op.command`` (tables that take none refuse it, naming it)."""
+        return [self._get(k).command(op.command) for k in op.keys]
+
     def update(self, op: ops.Update) -> None:
         checked = []
         for key, kind, payload in op.updates:
@@ -368,6 +372,7 @@ _HANDLERS: dict[type, Callable[[ParameterServer, Any], Any]] = {
     ops.ForgetPlace: ParameterServer.forget_place, ops.Save: ParameterServer.save,
     ops.StageRestore: ParameterServer.stage_restore, ops.CommitRestore: ParameterServer.commit_restore,
     ops.AbortRestore: ParameterServer.abort_restore, ops.Stats: ParameterServer.stats,
+    ops.TableCommand: ParameterServer.table_command,
 }
 
 

@@ -90,6 +90,10 @@ class Table(abc.ABC):
         """Counters of this table's own for stats and the dashboard (none for a dense table)."""
         return {}
 
+    def command(self, what: str) -> np.ndarray:
+        """A :class:`~daskps.ps.ops.TableCommand`'s answer; a dense table takes none."""
+        raise ValueError(f"{self.name!r} is a dense variable: it takes no command {what!r}")
+
     def slot_nbytes(self) -> int:
         """Bytes of the optimizers' slots."""
         return sum(a.nbytes for s in self.slots.values() for a in transforms.slot_arrays(s).values())

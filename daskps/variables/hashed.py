@@ -221,7 +221,7 @@ class EmbeddingTable:
 
     # -- whole-table operations ----------------------------------------------------
     def _each(self, what: str) -> list[np.ndarray]:
-        return protocol.read([(p, what) for p in self._parts])  # type: ignore[misc]  # named reads (hash_table)
+        return protocol.table_command([(p, what) for p in self._parts])
 
     def size(self) -> int:
         """Rows held, on all servers."""
@@ -229,7 +229,7 @@ class EmbeddingTable:
 
     def export(self) -> tuple[np.ndarray, np.ndarray]:
         """``(keys, rows)`` of every row held, by key."""
-        got = protocol.read([(p, what) for p in self._parts for what in (KEYS, ROWS)])  # type: ignore[misc]
+        got = protocol.table_command([(p, what) for p in self._parts for what in (KEYS, ROWS)])
         keys = np.concatenate(got[0::2])
         rows = np.concatenate(got[1::2]).reshape(-1, self._dim)
         order = np.argsort(keys, kind="stable")
