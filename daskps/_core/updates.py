@@ -80,15 +80,22 @@ def coerce_values(value: Any, dtype: np.dtype, name: str, arg: str) -> np.ndarra
     return arr.astype(dtype, copy=False)
 
 
-def check_indices(indices: Any, size: int, name: str, arg: str = "indices", one_d: bool = True) -> np.ndarray:
-    """Integer ``indices`` in ``[0, size)`` (1-D unless ``one_d`` is false)."""
-    idx = np.asarray(indices)
+def integer_array(values: Any, of: str, arg: str, one_d: bool) -> np.ndarray:
+    """``values`` as an array of integers (1-D unless ``one_d`` is false), or the error naming ``arg`` and
+    what it is ``of`` (``"variable 'w'"``, ``"embedding table 't'"``): the one check of ids and indices."""
+    idx = np.asarray(values)
     if idx.size == 0 and idx.dtype.kind == "f":
         idx = idx.astype(np.intp)  # [] parses as float64
     if idx.dtype.kind not in "iu":
-        raise TypeError(f"{arg} for variable {name!r} must be integers, got dtype {idx.dtype}")
+        raise TypeError(f"{arg} for {of} must be integers, got dtype {idx.dtype}")
     if one_d and idx.ndim != 1:
-        raise ValueError(f"{arg} for variable {name!r} must be 1-D, got shape {idx.shape}")
+        raise ValueError(f"{arg} for {of} must be 1-D, got shape {idx.shape}")
+    return idx
+
+
+def check_indices(indices: Any, size: int, name: str, arg: str = "indices", one_d: bool = True) -> np.ndarray:
+    """Integer ``indices`` in ``[0, size)`` (1-D unless ``one_d`` is false)."""
+    idx = integer_array(indices, f"variable {name!r}", arg, one_d)
     if idx.size:
         lo, hi = idx.min(), idx.max()
         if lo < 0 or hi >= size:

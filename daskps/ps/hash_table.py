@@ -45,6 +45,7 @@ from fsspec import AbstractFileSystem
 from daskps._core import bags, ckpt_io, transforms
 from daskps._core.arrays import call_initializer
 from daskps._core.transforms import Transform
+from daskps._core.updates import integer_array
 from daskps.ps.hashing import KeyIndex, mix, server_of
 from daskps.ps.tables import Staged, Table
 
@@ -87,13 +88,7 @@ class HashSpec(NamedTuple):
 
 def check_keys(keys: Any, name: str, arg: str, one_d: bool) -> np.ndarray:
     """``keys`` as int64; refuse anything but integers that fit."""
-    k = np.asarray(keys)
-    if k.size == 0 and k.dtype.kind == "f":
-        k = k.astype(np.int64)  # [] parses as float64
-    if k.dtype.kind not in "iu":
-        raise TypeError(f"{arg} for embedding table {name!r} must be integers, got dtype {k.dtype}")
-    if one_d and k.ndim != 1:
-        raise ValueError(f"{arg} for embedding table {name!r} must be 1-D, got shape {k.shape}")
+    k = integer_array(keys, f"embedding table {name!r}", arg, one_d)
     if k.dtype == np.uint64 and k.size and k.max() > np.iinfo(np.int64).max:
         raise ValueError(f"{arg} for embedding table {name!r} must fit in int64, got {k.max()}")
     return k.astype(np.int64, copy=False)
