@@ -10,7 +10,7 @@ import pytest
 
 import daskps as dps
 from daskps._core import ckpt_io
-from tests.test_checkpoint import build, train, values
+from tests.helpers.checkpoints import build, train, values
 
 
 def _manifest(path):

@@ -12,7 +12,7 @@ import yaml
 import daskps as dps
 
 from .conftest import dask_cli_cluster
-from .test_function_cache import Expensive, _unpickles
+from .helpers.pickles import Expensive, _unpickles
 
 PACKAGE = pathlib.Path(dps.__file__).resolve().parent
 YAML = PACKAGE / "daskps.yaml"

@@ -12,6 +12,7 @@ from distributed import Event, Variable
 import daskps as dps
 
 from .conftest import PickySGD, kill_worker, wait_for_summary, wait_for_worker
+from .helpers.waiting import in_thread
 
 
 def _boom():
@@ -20,22 +21,6 @@ def _boom():
 
 def _ok(i):
     return i
-
-
-def _in_thread(fn, timeout):
-    """Run ``fn`` in a daemon thread; return ('ok', value), ('raised', exc) or ('blocked', None)."""
-    out = {}
-
-    def target():
-        try:
-            out["r"] = ("ok", fn())
-        except BaseException as exc:  # noqa: BLE001
-            out["r"] = ("raised", exc)
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(timeout)
-    return out.get("r", ("blocked", None))
 
 
 class _LockedStep:
@@ -235,7 +220,7 @@ def test_fetch_after_a_failed_function_of_the_same_batch_does_not_hang(coordinat
         assert rvs[2].fetch() == 2  # the other batch is done
         with pytest.raises(ValueError):
             boom.fetch()  # the failed function itself has reported
-        state = _in_thread(rvs[0].fetch, 20)
+        state = in_thread(rvs[0].fetch, 20)
         assert state[0] != "blocked", (
             "RemoteValue.fetch() of the function after a failed one in its batch is still blocked "
             f"20 s after the batch ended ({rvs[0]!r}); only join/done/schedule would release it"
@@ -263,7 +248,7 @@ def test_a_refused_push_fails_only_its_own_function(strategy, coordinator):
     assert v.numpy().tolist() == [-1.0, -1.0]  # good's gradient was applied, bad's refused
     with pytest.raises(ValueError, match="negative gradient"):
         bad.fetch()
-    good_state = _in_thread(good.fetch, 10)
+    good_state = in_thread(good.fetch, 10)
     assert good_state == ("ok", None), (
         f"good's push was applied, yet its RemoteValue reports {good_state!r} (bad's error)"
     )
@@ -308,9 +293,9 @@ def test_a_big_result_survives_its_trainer_dying_later_in_the_batch(fresh_cluste
     old = kill_worker(client, name)
     gate.set()
     wait_for_worker(client, name, old)
-    assert _in_thread(blocked.fetch, 60) == ("ok", "released")
+    assert in_thread(blocked.fetch, 60) == ("ok", "released")
     assert [o.fetch() for o in others] == [0, 1]
-    state = _in_thread(big.fetch, 30)
+    state = in_thread(big.fetch, 30)
     assert state[0] == "ok", (
         f"the big result of a function whose trainer died later in its batch never arrives: "
         f"{big!r}, join would hang (pending={coordinator.summary()['in_flight']})"
@@ -331,7 +316,7 @@ def test_an_error_that_does_not_unpickle_arrives_as_a_runtime_error_with_its_tex
     """README: an exception that cannot be rebuilt arrives as a RuntimeError with its text (here it does not
     even unpickle on the worker: extra __init__ arguments)."""
     rv = coordinator.schedule(_raise_two_arg)
-    state = _in_thread(coordinator.join, 20)
+    state = in_thread(coordinator.join, 20)
     assert state[0] == "raised", (
         f"join() still blocked 20 s after the function failed ({rv!r}): the event handler died "
         "unpickling the exception"
@@ -361,7 +346,7 @@ def _raise_only_on_workers():
 
 def test_an_error_that_unpickles_only_on_the_workers_arrives_as_a_runtime_error_with_its_text(coordinator):
     rv = coordinator.schedule(_raise_only_on_workers)
-    state = _in_thread(coordinator.join, 20)
+    state = in_thread(coordinator.join, 20)
     assert state[0] == "raised", f"join() did not raise: {state!r}"
     assert type(state[1]) is RuntimeError and str(state[1]) == "OnlyOnWorkers: made on worker 7", repr(state[1])
     with pytest.raises(RuntimeError, match=r"^OnlyOnWorkers: made on worker 7\n"):
@@ -454,13 +439,13 @@ def test_a_batch_cancelled_by_client_restart_fails_its_functions_with_cancelled_
     assert running.get(timeout=60) == "running"  # the restart lands while the function runs
     assert rv.status == "pending"
     client.restart()
-    state = _in_thread(coordinator.join, 60)
+    state = in_thread(coordinator.join, 60)
     assert state[0] != "blocked", f"join() still blocked 60 s after client.restart(): {rv!r}"
     assert state[0] == "raised" and type(state[1]) is dps.errors.CancelledError, state
     assert "client.restart()" in str(state[1]), state
     with pytest.raises(dps.errors.CancelledError):
         rv.fetch()
     for q in queued:  # the other functions: finished before the restart, or cancelled with it
-        got = _in_thread(q.fetch, 10)
+        got = in_thread(q.fetch, 10)
         assert got[0] == "ok" or isinstance(got[1], dps.errors.CancelledError), got
     assert coordinator.done() and coordinator.summary()["in_flight"] == 0

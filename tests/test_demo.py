@@ -128,7 +128,7 @@ def test_demo_survives_a_killed_parameter_server(fresh_cluster, tmp_path):
 def test_demo_writes_tensorboard_scalars_with_logdir(tmp_path):
     """`daskps demo --logdir DIR`: an event file TensorBoard reads, with the run's train and test scalars."""
     pytest.importorskip("tensorboardX")
-    from .test_summary import read_scalars
+    from .helpers.events import read_scalars
 
     logdir = tmp_path / "tb"
     run = subprocess.run([sys.executable, "-m", "daskps.cli", "demo", "--epochs", "2", "--steps-per-epoch", "80",

@@ -32,7 +32,7 @@ import pytest
 import daskps as dps
 
 from .conftest import dask_cli_cluster
-from .test_readme import python_blocks
+from .helpers.docs import python_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"

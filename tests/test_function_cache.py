@@ -5,29 +5,12 @@ from __future__ import annotations
 import gc
 
 import numpy as np
-from distributed import get_worker
 
 import daskps as dps
 from daskps._core.pickling import FunctionCache
 
-from .test_lifetimes import wait_until
-
-
-def _count_unpickle() -> Expensive:
-    worker = get_worker()
-    worker._daskps_test_unpickles = getattr(worker, "_daskps_test_unpickles", 0) + 1
-    return Expensive()
-
-
-class Expensive:
-    """Stands for a jitted function or a compiled module: each unpickling is counted on the worker."""
-
-    def __reduce__(self):
-        return (_count_unpickle, ())
-
-
-def _unpickles(dask_worker) -> int:
-    return dask_worker.__dict__.pop("_daskps_test_unpickles", 0)
+from .helpers.pickles import Expensive, _unpickles
+from .helpers.waiting import wait_until
 
 
 def test_a_function_scheduled_500_times_is_unpickled_a_few_times_per_trainer(client, coordinator):

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.test_readme import CLUSTER_BLOCKS
+from tests.helpers.docs import CLUSTER_BLOCKS
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="pseudo-terminals are POSIX")
 

@@ -264,7 +264,7 @@ def test_learning_rate_callbacks_reach_the_servers(strategy, coordinator, one_tr
 
 def test_keras_own_logging_and_stopping_callbacks_work_unchanged(strategy, coordinator, one_trainer, tmp_path,
                                                                     capsys):
-    from tests.test_summary import read_scalars
+    from tests.helpers.events import read_scalars
 
     def callbacks(where):
         return [keras.callbacks.CSVLogger(str(where / "log.csv")),

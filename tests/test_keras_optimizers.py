@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import daskps as dps
-from tests.test_sparse import sharded
+from tests.helpers.variables import sharded
 
 FIXTURE = np.load(pathlib.Path(__file__).parent / "fixtures" / "keras_optimizer_fixtures.npz")
 MANIFEST = json.loads(str(FIXTURE["manifest"]))

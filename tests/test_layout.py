@@ -250,3 +250,19 @@ def test_upward_call_finder_finds_one():
     methods = {"schedule": {LAYERS.index("coordinator")}, "numpy": {LAYERS.index("variables")}}
     source = "def save(coordinator, v):\n    coordinator.schedule(f)\n    return v.numpy()\n"
     assert upward_calls(source, LAYERS.index("training"), methods) == ["2: coordinator.schedule"]
+
+
+def test_no_test_module_imports_another():
+    """Helpers the test modules share live in tests/helpers (or conftest.py), not in another test module."""
+    import ast
+    import pathlib
+
+    here = pathlib.Path(__file__).resolve().parent
+    for path in sorted(here.glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                module = ("." * node.level) + (node.module or "")
+                assert not module.lstrip(".").removeprefix("tests.").startswith("test_"), (path.name, module)
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    assert not alias.name.startswith("tests.test_"), (path.name, alias.name)

@@ -18,6 +18,8 @@ from daskps.distribute.cluster import cluster_workers
 from daskps.errors import ClosedError, RollbackWarning
 
 from .conftest import datasets_built, kill_worker, worker_address
+from .helpers.servers import _holders_on, holders, wait_for_coordinator_release
+from .helpers.waiting import wait_until
 
 
 def actor_keys(client: Client) -> set[str]:
@@ -25,16 +27,6 @@ def actor_keys(client: Client) -> set[str]:
     return {k for keys in found.values() for k in keys}
 
 
-def wait_until(check, timeout: float = 20.0, what: str = "condition"):
-    """Poll ``check()`` until it is truthy (releases travel asynchronously)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        gc.collect()
-        value = check()
-        if value or time.monotonic() > deadline:
-            assert value, f"{what} not reached in {timeout}s"
-            return value
-        time.sleep(0.05)
 
 
 def num_variables(strategy) -> list[int]:
@@ -178,37 +170,6 @@ def test_server_memory_returns_after_300_mb_are_dropped(fresh_cluster):
 
 
 # -- handles held on workers count ----------------------------------------------------------
-def _holders_on(keys, dask_worker=None):
-    """On a ps worker: who the servers there count as holding each of ``keys`` (absent: not held),
-    as ``{"coordinator": n, "trainer": n}`` (a trainer's holder id names its worker: ``...@address``)."""
-    from daskps.ps.server import ParameterServer
-
-    out = {}
-    for actor in dask_worker.state.actors.values():
-        if isinstance(actor, ParameterServer):
-            for key in set(keys) & set(actor._holders):
-                counts = {}
-                for holder, n in actor._holders[key].items():
-                    kind = "trainer" if "@" in holder else "coordinator"
-                    counts[kind] = counts.get(kind, 0) + n
-                out[key] = {kind: n for kind, n in counts.items() if n > 0}
-    return out
-
-
-def holders(client, keys):
-    """``{key: {"coordinator": n, "trainer": n}}`` for those of ``keys`` some server still holds."""
-    out = {}
-    for found in client.run(_holders_on, list(keys)).values():
-        out.update(found)
-    return out
-
-
-def wait_for_coordinator_release(client, keys):
-    """Wait until the coordinator's releases of ``keys`` have reached their servers (they travel
-    asynchronously); return who holds each key then."""
-    return wait_until(lambda: (lambda h: h if all("coordinator" not in h.get(k, {}) for k in keys) else None)(
-        holders(client, keys)), what=f"the coordinator's release of {keys}")
-
 def _keep(v):
     get_worker()._daskps_test_kept = v
 

@@ -18,7 +18,7 @@ from dask.utils import format_bytes
 import daskps as dps
 
 from .conftest import kill_worker, wait_for_recovery
-from .test_summary import read_scalars
+from .helpers.events import read_scalars
 
 CHROMIUM = "/usr/bin/chromium"
 pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"no {CHROMIUM} (apt-get install chromium)")

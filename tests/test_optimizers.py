@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import daskps as dps
-from tests.test_sparse import calls, sharded
+from tests.helpers.variables import calls, sharded
 
 KERAS = json.loads((pathlib.Path(__file__).parent / "data" / "keras_optimizer_cases.json").read_text())
 

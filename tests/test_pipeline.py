@@ -7,7 +7,7 @@ import pytest
 
 import daskps as dps
 
-from .test_coordinator_edges import _in_thread
+from .helpers.waiting import in_thread
 
 
 def test_a_function_reads_its_own_earlier_updates(strategy, coordinator):
@@ -126,7 +126,7 @@ def test_a_push_the_server_refuses_fails_its_own_function(strategy, coordinator)
     with pytest.raises(LookupError, match="released"):
         pushed.fetch()
     coordinator.join()  # raised once
-    outcomes = [_in_thread(r.fetch, 30) for r in after]  # ran on the other trainer, shared the failed message,
+    outcomes = [in_thread(r.fetch, 30) for r in after]  # ran on the other trainer, shared the failed message,
     for state, value in outcomes:                         # or was cancelled by the raised error
         assert (state, value) == ("ok", 5.0) or (
             state == "raised" and (isinstance(value, dps.errors.CancelledError)

@@ -54,7 +54,7 @@ def test_a_functions_result_does_not_wait_for_other_work_in_its_batch(strategy, 
     """Held pushes are sent when other work follows in the batch (it may take long, or wait for this result)."""
     from distributed import Event
 
-    from .test_coordinator_edges import _in_thread
+    from .helpers.waiting import in_thread
 
     with strategy.scope():
         v = dps.Variable(0.0, name="held_v")
@@ -73,7 +73,7 @@ def test_a_functions_result_does_not_wait_for_other_work_in_its_batch(strategy, 
         for _ in range(3):
             coordinator.schedule(wait, args=("edges-held-gate",))
     try:
-        state = _in_thread(first.fetch, 15)
+        state = in_thread(first.fetch, 15)
         assert state == ("ok", "pushed"), (
             f"push() finished long ago but its RemoteValue is {first!r} while the next function of its batch runs"
         )

@@ -18,7 +18,7 @@ from .conftest import (
     wait_done,
     wait_for_recovery,
 )
-from .test_lifetimes import wait_for_coordinator_release
+from .helpers.servers import wait_for_coordinator_release
 
 
 def _join_recording(coordinator, recoveries=0):

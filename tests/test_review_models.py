@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import daskps as dps
-from tests.test_sparse import sharded
+from tests.helpers.variables import sharded
 
 NT = collections.namedtuple("NT", "kernel bias")
 

@@ -14,7 +14,7 @@ import pytest
 from distributed import get_worker
 
 import daskps as dps
-from tests.test_sparse import calls, sharded
+from tests.helpers.variables import calls, sharded
 
 SLICE_FULL = np.arange(1, 17).reshape(8, 2)
 

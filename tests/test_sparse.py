@@ -10,20 +10,10 @@ import pytest
 
 import daskps as dps
 
+from .helpers.variables import calls, sharded
+
 TF = json.loads((pathlib.Path(__file__).parent / "data" / "tf_sparse_cases.json").read_text())
 SCATTER_OPS = ["scatter_add", "scatter_sub", "scatter_mul", "scatter_div", "scatter_min", "scatter_max", "scatter_update"]
-
-
-def sharded(strategy, full: np.ndarray, sizes: list[int], name: str = "sv") -> dps.ShardedVariable:
-    """A ShardedVariable with the given rows per shard, shards round robin over the servers."""
-    offsets = np.cumsum([0] + sizes)
-    with strategy.scope():
-        shards = [dps.Variable(full[a:b], name=f"{name}/part_{i}") for i, (a, b) in enumerate(zip(offsets, offsets[1:]))]
-    return dps.ShardedVariable(shards, name=name)
-
-
-def calls(strategy, method: str = "read") -> list[int]:
-    return [s["calls"].get(method, 0) for s in strategy.ps_stats()]
 
 
 # -- IndexedSlices -------------------------------------------------------------

@@ -1,0 +1,2 @@
+"""Helpers the test modules share (no test module imports another): README and docs blocks, TensorBoard
+event files, variables for tests, waiting."""

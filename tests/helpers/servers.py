@@ -1,0 +1,37 @@
+"""What the parameter servers hold, asked on their workers."""
+
+from __future__ import annotations
+
+from .waiting import wait_until
+
+
+def _holders_on(keys, dask_worker=None):
+    """On a ps worker: who the servers there count as holding each of ``keys`` (absent: not held),
+    as ``{"coordinator": n, "trainer": n}`` (a trainer's holder id names its worker: ``...@address``)."""
+    from daskps.ps.server import ParameterServer
+
+    out = {}
+    for actor in dask_worker.state.actors.values():
+        if isinstance(actor, ParameterServer):
+            for key in set(keys) & set(actor._holders):
+                counts = {}
+                for holder, n in actor._holders[key].items():
+                    kind = "trainer" if "@" in holder else "coordinator"
+                    counts[kind] = counts.get(kind, 0) + n
+                out[key] = {kind: n for kind, n in counts.items() if n > 0}
+    return out
+
+
+def holders(client, keys):
+    """``{key: {"coordinator": n, "trainer": n}}`` for those of ``keys`` some server still holds."""
+    out = {}
+    for found in client.run(_holders_on, list(keys)).values():
+        out.update(found)
+    return out
+
+
+def wait_for_coordinator_release(client, keys):
+    """Wait until the coordinator's releases of ``keys`` have reached their servers (they travel
+    asynchronously); return who holds each key then."""
+    return wait_until(lambda: (lambda h: h if all("coordinator" not in h.get(k, {}) for k in keys) else None)(
+        holders(client, keys)), what=f"the coordinator's release of {keys}")
