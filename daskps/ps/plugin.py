@@ -136,7 +136,8 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
             except ValueError as exc:  # said once, not silently: it looks every second meanwhile
                 if not self._said_interval:
                     self._said_interval = True
-                    logger.error("daskps: %s; the scheduler asks the servers every 1 s meanwhile", exc)
+                    logger.error("daskps: %s; the scheduler at %s asks the servers every 1 s meanwhile", exc,
+                                 getattr(self.scheduler, "address", "?"))
                 interval = 1.0
             await asyncio.sleep(interval)
 
