@@ -30,7 +30,7 @@ from daskps._core.config import setting
 from daskps.ps import prometheus, protocol
 from daskps.ps.group import parse_server_key
 from daskps.ps.ledger import InputLedger
-from daskps.ps.quantities import TrainerCounts, merge_trainer_stats, trainer_counts
+from daskps.ps.quantities import TrainerCounts, trainer_counts
 from daskps.ps.routing import ServerRef
 from daskps.ps.timeline import KEEP_STRATEGIES, Timeline
 from daskps.ps.worker_state import WORKER_PLUGIN_NAME
@@ -84,7 +84,7 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
         # For the Prometheus endpoint (daskps.ps.prometheus): the latest of each.
         self.server_snapshot: list[dict[str, Any]] = []  # each server's stats() as a row
         self.coordinator_stats: dict[str, dict[str, Any]] = {}  # strategy token -> its coordinator's counts
-        self.retired_trainer_stats: dict[str, Any] = {}  # per-trainer counts of strategies no longer kept
+        self.retired_trainer_counts: dict[str, TrainerCounts] = {}  # of strategies no longer kept
         self.checkpoint_saves = {"count": 0, "seconds": 0.0, "bytes": 0, "last_seconds": 0.0}
         self._refresher: asyncio.Task | None = None
         self.timeline = Timeline()  # what the dashboard's plots show
@@ -166,12 +166,11 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
         (a counter of /metrics never goes down while the trainer is there)."""
         stats = self.coordinator_stats.pop(token, None)
         if stats is not None:
-            self.retired_trainer_stats = {"trainers": merge_trainer_stats(
-                self.retired_trainer_stats.get("trainers", {}), stats.get("trainers") or {})}
+            self.retired_trainer_counts = trainer_counts({token: stats}, base=self.retired_trainer_counts)
 
     def trainer_counts(self) -> dict[str, TrainerCounts]:
         """Per trainer name: functions completed, failed and re-run, of every strategy (see quantities)."""
-        return trainer_counts({**self.coordinator_stats, "": self.retired_trainer_stats})
+        return trainer_counts(self.coordinator_stats, base=self.retired_trainer_counts)
 
     def coordinator_reported(self, token: str, stats: dict[str, Any]) -> None:
         """A coordinator's counts (it sends them at most twice a second): the latest are kept, for 64 strategies."""

@@ -49,9 +49,11 @@ class TrainerCounts(NamedTuple):
     rerun: int  # failed there as a parameter server was lost, and queued again
 
 
-def trainer_counts(coordinator_stats: Mapping[str, Mapping[str, Any]]) -> dict[str, TrainerCounts]:
-    """Per trainer name, its functions of every strategy's coordinator (as each last sent its counts)."""
-    totals: dict[str, list[int]] = {}
+def trainer_counts(coordinator_stats: Mapping[str, Mapping[str, Any]],
+                   base: Mapping[str, TrainerCounts] | None = None) -> dict[str, TrainerCounts]:
+    """Per trainer name, its functions of every strategy's coordinator (as each last sent its counts),
+    added to ``base`` (those of strategies no longer kept)."""
+    totals: dict[str, list[int]] = {name: list(counts) for name, counts in (base or {}).items()}
     for stats in coordinator_stats.values():
         for name, counts in (stats.get("trainers") or {}).items():
             total = totals.setdefault(str(name), [0, 0, 0])
@@ -59,14 +61,3 @@ def trainer_counts(coordinator_stats: Mapping[str, Mapping[str, Any]]) -> dict[s
             total[1] += int(counts.get("failed", 0))
             total[2] += int(counts.get("rerun", 0))
     return {name: TrainerCounts(*totals[name]) for name in sorted(totals)}
-
-
-def merge_trainer_stats(a: Mapping[str, Mapping[str, int]], b: Mapping[str, Mapping[str, int]]
-                        ) -> dict[str, dict[str, int]]:
-    """Two ``{trainer: {"done", "failed", "rerun"}}`` maps added up (a retired strategy's into the rest)."""
-    merged = {name: dict(counts) for name, counts in a.items()}
-    for name, counts in b.items():
-        into = merged.setdefault(str(name), {})
-        for field in ("done", "failed", "rerun"):
-            into[field] = int(into.get(field, 0)) + int(counts.get(field, 0))
-    return merged
