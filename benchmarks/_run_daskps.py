@@ -126,7 +126,7 @@ def _embedding_bytes(strategy, tables, opt, n: int, batches: int = 20) -> dict[s
     writes it without pooling (each distinct id's row read, its summed gradient row sent)."""
     import _dlrm
 
-    from daskps.ps import protocol
+    from daskps.client import protocol
 
     train, _ = _dlrm.make_data(n)
     starts = [i * _dlrm.BATCH for i in range(batches)]

@@ -24,7 +24,7 @@ import argparse
 
 import numpy as np
 
-from daskps.ps.hashing import server_of
+from daskps._core.hashing import server_of
 
 
 def zipf_ranks(rng: np.random.Generator, a: float, n: int, size: int) -> np.ndarray:

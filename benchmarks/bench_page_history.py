@@ -31,7 +31,7 @@ import time
 from bokeh.document import Document
 from bokeh.layouts import column
 
-from daskps.ps.timeline import Timeline
+from daskps.scheduler.timeline import Timeline
 from daskps.ui.plots import KEEP, SeriesFigure, ServersPage
 
 

@@ -24,8 +24,6 @@ import daskps._core.config  # noqa: F401  (first: registers the daskps.* config 
 from daskps import data, errors, keras, metrics, optimizers, partitioners, summary
 from daskps._core.slices import IndexedSlices
 from daskps.coordinator.coordinator import ClusterCoordinator, RemoteValue
-from daskps.coordinator.datasets import PerWorkerDataset, PerWorkerIterator, PerWorkerValues
-from daskps.coordinator.progress import progress
 from daskps.distribute.cluster import DaskClusterResolver, LocalPSCluster
 from daskps.distribute.context import (
     ReplicaContext,
@@ -36,8 +34,10 @@ from daskps.distribute.context import (
 )
 from daskps.distribute.strategy import ParameterServerStrategy
 from daskps.distribute.values import InputContext, InputOptions, ReduceOp, RunOptions, ValueContext
+from daskps.trainer.datasets import PerWorkerDataset, PerWorkerIterator, PerWorkerValues
 from daskps.training.checkpoint import Checkpoint, CheckpointManager
 from daskps.training.sidecar import SidecarEvaluator
+from daskps.ui.training_progress import progress
 from daskps.variables.bags import Bags, PooledSlices, embedding_lookup_sparse
 from daskps.variables.embedding import embedding_lookup
 from daskps.variables.hashed import EmbeddingTable

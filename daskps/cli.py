@@ -6,8 +6,8 @@ import argparse
 import importlib.util
 import sys
 
-from daskps.coordinator.summary import TENSORBOARD_MISSING
 from daskps.demo import INPUTS, JAX_MISSING, KERAS_MISSING, MODELS, DemoConfig, run_demo
+from daskps.ui.tensorboard import TENSORBOARD_MISSING
 
 RESUMED_SLACK = 0.01  # test log-loss a resumed run may end above its start and still exit 0
 

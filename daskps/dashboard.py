@@ -7,7 +7,7 @@ adds the scheduler plugin behind it. See :mod:`daskps.ui.dashboard`.
 
 from __future__ import annotations
 
-from daskps.ps.plugin import DaskPSSchedulerPlugin, install_plugin
+from daskps.scheduler.plugin import DaskPSSchedulerPlugin, install_plugin
 from daskps.ui.dashboard import dask_setup, register_page
 
 __all__ = ["DaskPSSchedulerPlugin", "dask_setup", "install_plugin", "register_page"]

@@ -1,6 +1,6 @@
 """``dps.data``: Dask DataFrames and Arrays as per-worker input.
 
-See :mod:`daskps.distribute.dask_data` (the collection) and :mod:`daskps.coordinator.dask_input` (the trainers).
+See :mod:`daskps.distribute.dask_data` (the collection) and :mod:`daskps.trainer.dask_input` (the trainers).
 """
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ def worker_address(client: Client, name: str) -> str:
 
 def datasets_built(dask_worker) -> list[str]:
     """The ids of the per-worker datasets built on ``dask_worker`` (run it with ``client.run``)."""
-    from daskps.ps.worker_state import existing_part
+    from daskps.client.worker_state import existing_part
 
     state = existing_part(dask_worker, "datasets")
     return sorted(state.datasets) if state is not None else []

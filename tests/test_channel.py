@@ -31,8 +31,8 @@ def test_large_replies_intact_under_concurrent_readers(strategy, coordinator):
 
 
 def test_an_oserror_raised_by_the_server_is_its_answer_not_a_lost_server(strategy, tmp_path):
+    from daskps.client import protocol
     from daskps.errors import PSUnavailableError
-    from daskps.ps import protocol
 
     with strategy.scope():
         v = dps.Variable([1.0], name="v")
@@ -75,7 +75,7 @@ def test_threads_pruning_channels_to_gone_servers_at_once_forget_each_and_none_r
     at a socket another was closing: ``ValueError: file descriptor cannot be a negative integer``)."""
     import socket
 
-    from daskps.ps import channel
+    from daskps.client import channel
 
     listener = socket.create_server(("127.0.0.1", 0))
     address = "127.0.0.1:%d" % listener.getsockname()[1]
@@ -111,8 +111,8 @@ def test_a_server_listening_where_a_released_one_did_gets_a_channel_of_its_own()
     channel", seen once in CI)."""
     import socket
 
-    from daskps.ps.routing import ServerRef
-    from daskps.ps.transport import Channels
+    from daskps.client.routing import ServerRef
+    from daskps.client.transport import Channels
 
     channels = Channels()
     old_listener = socket.create_server(("127.0.0.1", 0))

@@ -136,7 +136,7 @@ def test_a_bad_metrics_interval_is_logged_once_and_the_scheduler_looks_every_sec
 
     from distributed import Client
 
-    with dask.config.set({"daskps.metrics-interval": "soon"}), caplog.at_level(logging.ERROR, "daskps.ps.plugin"), \
+    with dask.config.set({"daskps.metrics-interval": "soon"}), caplog.at_level(logging.ERROR, "daskps.scheduler.plugin"), \
             dps.LocalPSCluster(num_ps=1, num_workers=1, processes=False) as cluster, Client(cluster) as client:
         strategy = dps.ParameterServerStrategy(client)
         deadline = time.monotonic() + 30

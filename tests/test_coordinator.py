@@ -9,7 +9,7 @@ from distributed import Client, Event
 
 import daskps as dps
 from daskps.errors import CancelledError, ClosedError, PSUnavailableError
-from daskps.ps.plugin import LOST
+from daskps.scheduler.messages import LOST
 
 from .conftest import kill_worker, wait_for_worker, worker_address
 
@@ -60,7 +60,7 @@ def _durations_seen(dask_scheduler=None, forget=False):
     """Every function duration the scheduler's plugin holds, per trainer (the dashboard's percentiles);
     ``forget`` empties them first (each trainer keeps its latest 2,000: once earlier tests filled that,
     what a test added cannot be told by position)."""
-    from daskps.ps.plugin import PLUGIN_NAME
+    from daskps.scheduler.messages import PLUGIN_NAME
 
     durations = dask_scheduler.plugins[PLUGIN_NAME].timeline.durations
     if forget:

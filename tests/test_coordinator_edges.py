@@ -269,7 +269,7 @@ def _block(gate, which):
 def _completed_on(name, dask_scheduler=None):
     """How many scheduled functions the scheduler's plugin has seen finish on trainer ``name`` (their reports'
     durations: a big result's report counts there, though its coordinator settles it with the batch)."""
-    from daskps.ps.plugin import PLUGIN_NAME
+    from daskps.scheduler.messages import PLUGIN_NAME
 
     return len(dask_scheduler.plugins[PLUGIN_NAME].timeline.durations.get(name, ()))
 
@@ -366,7 +366,7 @@ def _busy(path, seconds):
 
 
 def test_an_interrupted_read_leaves_the_channel_in_step(strategy, client, tmp_path, monkeypatch):
-    from daskps.ps import channel
+    from daskps.client import channel
 
     with strategy.scope():
         vs = [dps.Variable(np.full(3, float(i)), name=f"chan_{i}") for i in range(4)]

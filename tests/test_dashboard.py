@@ -14,7 +14,7 @@ import numpy as np
 from distributed import Client
 
 import daskps as dps
-from daskps.ps.quantities import TrainerCounts
+from daskps.scheduler.quantities import TrainerCounts
 from daskps.ui.plots import PAGES
 from tests.conftest import dask_cli_cluster
 
@@ -108,7 +108,7 @@ def test_pages_keep_showing_new_points_once_the_timeline_is_full():
     """The timeline keeps the latest points only; a page shows each new one once, however full it is."""
     from bokeh.models import ColumnDataSource  # noqa: F401  (bokeh is in the test extra)
 
-    from daskps.ps.timeline import Timeline
+    from daskps.scheduler.timeline import Timeline
     from daskps.ui.plots import MetricsPage, TrainersPage
 
     timeline = Timeline(keep=3, metric_points=3)
@@ -137,7 +137,7 @@ def test_pages_keep_showing_new_points_once_the_timeline_is_full():
 
 def test_servers_of_two_strategies_keep_their_own_lines():
     """Each strategy numbers its servers from 0: with two on one scheduler, their lines stay apart."""
-    from daskps.ps.timeline import Timeline
+    from daskps.scheduler.timeline import Timeline
 
     def row(task, token, reads):
         return {"key": f"daskps-ps-{task}-{token}", "task": task, "address": "tcp://127.0.0.1:1", "nbytes": 8,
@@ -162,7 +162,7 @@ def test_a_page_opened_on_a_long_history_gets_it_in_one_message_per_figure():
     from bokeh.document.events import ColumnsStreamedEvent
     from bokeh.layouts import column
 
-    from daskps.ps.timeline import Timeline
+    from daskps.scheduler.timeline import Timeline
     from daskps.ui.plots import ServersPage
 
     def row(task, strategy, nbytes):
@@ -201,7 +201,8 @@ def test_a_plot_page_says_there_are_no_servers_until_the_plugin_is_there():
     from bokeh.document import Document
     from distributed import LocalCluster
 
-    from daskps.ps.plugin import PLUGIN_NAME, DaskPSSchedulerPlugin
+    from daskps.scheduler.messages import PLUGIN_NAME
+    from daskps.scheduler.plugin import DaskPSSchedulerPlugin
     from daskps.ui.plots import ThroughputPage, make_app
 
     with LocalCluster(n_workers=0, processes=False, protocol="tcp://", host="127.0.0.1",
@@ -239,8 +240,8 @@ def test_axes_read_as_plain_numbers_and_bytes_in_binary_steps():
 def test_a_closed_strategys_functions_stay_in_its_trainers_totals():
     """Per-trainer counts are counters: a strategy whose servers are gone (or the 65th) leaves its
     per-strategy series, but what its functions did on each trainer stays counted there."""
-    from daskps.ps.plugin import DaskPSSchedulerPlugin
-    from daskps.ps.timeline import KEEP_STRATEGIES
+    from daskps.scheduler.plugin import DaskPSSchedulerPlugin
+    from daskps.scheduler.timeline import KEEP_STRATEGIES
 
     plugin = DaskPSSchedulerPlugin()
     plugin.coordinator_reported("a", {"done": 5, "trainers": {"worker-0": {"done": 3, "failed": 1},

@@ -15,9 +15,9 @@ import pytest
 from distributed import Event, get_worker, wait
 
 import daskps as dps
-from daskps.coordinator.dask_input import assign
 from daskps.errors import OutOfRangeError
-from daskps.ps.plugin import close_input
+from daskps.scheduler.ledger import assign
+from daskps.scheduler.messages import CloseInput, ask
 
 from .conftest import kill_worker, wait_for_worker
 
@@ -217,7 +217,7 @@ def test_a_dropped_dataset_frees_its_partitions(client, coordinator):
     dataset_id = ds._spec.dataset_id
 
     def built(dask_worker):
-        from daskps.ps.worker_state import existing_part
+        from daskps.client.worker_state import existing_part
 
         state = existing_part(dask_worker, "datasets")
         return state is not None and dataset_id in state.datasets
@@ -456,7 +456,7 @@ def _count_requests():
     """On a worker: record each request its trainers make to the ledger, waited for (``Source.ask``) or not
     (``Source.ask_ahead``): ``(trainer, "wait", partitions handed?)`` or ``(trainer, "ahead", how many)``
     (0: only notes of the partitions it started)."""
-    from daskps.coordinator import dask_input
+    from daskps.trainer import dask_input
 
     source = dask_input.Source
     if hasattr(source.ask, "calls"):  # thread workers share one module
@@ -477,7 +477,7 @@ def _count_requests():
 
 
 def _requests_counted():
-    from daskps.coordinator import dask_input
+    from daskps.trainer import dask_input
 
     source = dask_input.Source
     if not hasattr(source.ask, "calls"):
@@ -527,7 +527,7 @@ def test_a_trainer_whose_ledger_is_gone_ends_its_iterator(client, coordinator):
     it = iter(ds)
     read = coordinator.fetch([coordinator.schedule(_where_and_next, args=(it,)) for _ in range(4)])
     assert all(batch is not None for _, _, batch in read)
-    client.run_on_scheduler(close_input, name)
+    client.run_on_scheduler(ask, CloseInput(name))
     ended: set[str] = set()
     for _ in range(10):  # repeating forever, the data would never end: only the ledger's going ends it
         for trainer, _, batch in coordinator.fetch([coordinator.schedule(_where_and_next, args=(it,))

@@ -174,7 +174,7 @@ def test_a_trainer_forgets_a_dropped_dataset_while_it_builds_another(coordinator
 
     from distributed import Event
 
-    from daskps.coordinator.datasets import _forget_on_worker
+    from daskps.trainer.datasets import _forget_on_worker
 
     tag = uuid.uuid4().hex
 
@@ -294,7 +294,7 @@ def test_closing_a_strategy_forgets_its_datasets_on_every_trainer_before_close_r
 
 
 def _index_among(worker_names):
-    from daskps.coordinator.datasets import local_worker_index
+    from daskps.trainer.datasets import local_worker_index
 
     return local_worker_index(worker_names)
 

@@ -17,7 +17,7 @@ import scipy.sparse
 
 import daskps as dps
 from daskps._core.bags import BagGrad
-from daskps.ps import protocol
+from daskps.client import protocol
 
 FIXTURE = np.load(pathlib.Path(__file__).parent / "fixtures" / "sparse_lookup_fixtures.npz")
 MANIFEST = json.loads(str(FIXTURE["manifest"]))

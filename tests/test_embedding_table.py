@@ -1,6 +1,6 @@
 """EmbeddingTable: hash-keyed rows, admission, eviction by age and by capacity, slots dropped with rows.
 
-The reference below is written from the rules in ``daskps/ps/hash_table.py``'s
+The reference below is written from the rules in ``daskps/server/hash_table.py``'s
 docstring and from Keras' Adagrad, in plain Python and numpy, with its own
 splitmix64 (integers, not numpy), and checked against a table on a real
 2-server cluster.
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import daskps as dps
+from daskps._core.hashing import KeyIndex
 from daskps.errors import RollbackWarning
-from daskps.ps.hashing import KeyIndex
 
 from .conftest import kill_worker
 

@@ -143,7 +143,7 @@ def test_the_transform_resent_to_a_recreated_server_carries_the_schedule(strateg
         opt = dps.optimizers.Nadam(schedule("cosine_warmup"), clipnorm=1.0)
     recipes = {r.recipe for r in opt._refs}
     assert len(recipes) == 1
-    from daskps.ps import ops
+    from daskps.server import ops
 
     recipe = recipes.pop()
     assert isinstance(recipe, ops.AddOptimizer) and recipe.transform.learning_rate == schedule("cosine_warmup")
@@ -280,7 +280,8 @@ def test_a_refused_apply_changes_no_state_on_the_servers(strategy):
 
 def test_a_refused_batch_on_a_server_changes_no_state(strategy):
     """The server checks every gradient before applying any: slots and counts stay as they were."""
-    from daskps.ps import ops, protocol
+    from daskps.client import protocol
+    from daskps.server import ops
 
     starts, grads, after = dense_case("Ftrl-args")
     with strategy.scope():

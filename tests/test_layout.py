@@ -10,7 +10,8 @@ import daskps
 ROOT = pathlib.Path(daskps.__file__).parent
 
 # Each layer may import only from the layers before it (and from itself).
-LAYERS = ["errors", "_core", "ps", "ui", "distribute", "variables", "training", "coordinator", "keras"]
+LAYERS = ["errors", "_core", "server", "client", "scheduler", "distribute", "variables", "training", "trainer",
+          "coordinator", "keras", "ui"]
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -84,24 +85,98 @@ def test_layers_import_only_layers_below():
     assert not wrong, wrong
 
 
-# What both ends of a message share: the operations and the table kinds (numpy and the core only).
-SHARED = {"daskps.ps", "daskps.ps.ops", "daskps.ps.tables"}
+# -- which process runs what ------------------------------------------------------------------
+# A package per process. Code of one process reaches another's only through the modules that
+# package offers (its messages and the entry points Dask needs). ``client`` is how any process
+# reaches the servers: every process uses it, and it obeys the same rule towards ``server``.
+PROCESSES = ("server", "client", "scheduler", "trainer", "coordinator")
+OFFERED = {
+    "daskps.server.ops": "the operations a server runs, the tables they make, and the records it answers",
+    "daskps.server.actor": "the class Dask starts as a server, and how its answers travel through Dask",
+    "daskps.server.local": "the server of local variables, run in the caller's own process",
+    "daskps.scheduler.messages": "the plugin's handlers, event topics, requests and answers",
+    "daskps.trainer.messages": "the task a batch runs, and the dataset function from_dask stores",
+}
+# Code of another process imported for a reason the messages cannot carry: (importer, imported, why).
+CROSSINGS_ALLOWED = [
+    ("daskps.coordinator.coordinator", "daskps.trainer.datasets",
+     "a PerWorkerDataset is one object in both processes (made here, its iterators resolved on trainers), "
+     "as TensorFlow's"),
+]
 
 
-def _server_side(module: str) -> bool:
-    return module.startswith("daskps._core") or module == "daskps.errors" or module in SHARED
+def _process(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 and parts[1] in PROCESSES else None
 
 
-def test_the_server_imports_nothing_from_the_client_side():
+def crossings(graph: dict[str, set[str]]) -> list[str]:
+    """Imports from one process package into another that it does not offer (nor CROSSINGS_ALLOWED)."""
+    allowed = {(a, b) for a, b, _ in CROSSINGS_ALLOWED}
+    wrong = []
+    for module, deps in graph.items():
+        mine = _process(module)
+        if mine is None:
+            continue
+        for dep in deps:
+            theirs = _process(dep)
+            if theirs not in (None, mine, "client") and dep not in OFFERED and (module, dep) not in allowed:
+                wrong.append(f"{module} -> {dep}")
+    return sorted(wrong)
+
+
+def test_a_process_reaches_another_only_through_what_it_offers():
+    assert crossings(import_graph()) == []
     graph = import_graph()
-    for module in ("daskps.ps.server", "daskps.ps.ops", "daskps.ps.tables"):
-        assert all(_server_side(d) for d in graph[module]), (module, graph[module])
+    assert all(b in graph.get(a, ()) for a, b, _ in CROSSINGS_ALLOWED), "an allowed crossing no longer exists"
+
+
+def test_a_forbidden_crossing_is_refused():
+    graph = import_graph()
+    graph["daskps.trainer.batches"] = graph["daskps.trainer.batches"] | {"daskps.coordinator.coordinator"}
+    graph["daskps.client.protocol"] = graph["daskps.client.protocol"] | {"daskps.server.tables"}
+    assert crossings(graph) == ["daskps.client.protocol -> daskps.server.tables",
+                                "daskps.trainer.batches -> daskps.coordinator.coordinator"]
+
+
+def test_the_server_imports_only_the_core_and_errors():
+    graph = import_graph()
+    for module, deps in graph.items():
+        if module.startswith("daskps.server"):
+            wrong = [d for d in deps if not d.startswith(("daskps._core", "daskps.server")) and d != "daskps.errors"]
+            assert not wrong, (module, wrong)
+
+
+def _external_imports(path: pathlib.Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return found
+
+
+def test_no_server_module_imports_dasks_client():
+    for path in (ROOT / "server").rglob("*.py"):
+        wrong = [m for m in _external_imports(path)
+                 if m.startswith(("distributed.client", "distributed.Client", "distributed.get_client",
+                                  "distributed.default_client", "distributed.Future"))]
+        assert not wrong, (path.name, wrong)
+
+
+def test_ui_is_imported_only_from_the_top():
+    for module, deps in import_graph().items():
+        if module.startswith("daskps.ui"):
+            continue
+        if any(d == "daskps.ui" or d.startswith("daskps.ui.") for d in deps):
+            assert _layer(module) is None, f"{module} imports daskps.ui"
 
 
 def test_only_the_transport_talks_to_dask_comms():
     talkers = [name for name, path in ((_module_name(p), p) for p in ROOT.rglob("*.py"))
                if "send_recv" in path.read_text() or "actor_execute" in path.read_text()]
-    assert talkers == ["daskps.ps.transport"], talkers
+    assert talkers == ["daskps.client.transport"], talkers
 
 
 # -- how modules hold each other -------------------------------------------------------------

@@ -103,7 +103,7 @@ def test_anything_made_through_the_strategy_keeps_its_servers(client, what):
 
 
 def test_a_dataset_keeps_its_servers(client):
-    from daskps.ps import protocol
+    from daskps.client import protocol
 
     dataset, token = _made_in_a_helper(client, "dataset")
     gc.collect()
@@ -130,8 +130,8 @@ def test_dropped_variables_and_their_slots_are_freed(strategy):
 
 
 def test_local_variables_are_freed_too():
-    from daskps.ps import ops
-    from daskps.ps.transport import LOCAL_SERVER
+    from daskps.client.transport import LOCAL_SERVER
+    from daskps.server import ops
 
     gc.collect()  # what earlier tests left in cycles goes now, not while this one counts
     before = LOCAL_SERVER.server.stats(ops.Stats()).num_variables

@@ -149,7 +149,8 @@ def test_server_checks_gradients_too(strategy):
     with strategy.scope():
         opt = dps.optimizers.SGD(0.1)
         v = dps.Variable(np.ones(3, np.float32))
-    from daskps.ps import ops, protocol
+    from daskps.client import protocol
+    from daskps.server import ops
 
     work = [(v._ref.key, "dense", np.ones(3, np.float32)), (v._ref.key, "dense", np.ones(4, np.float32))]
     bump = opt.iterations._ref.key if opt.iterations._ref.server == v._ref.server else None

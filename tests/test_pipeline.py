@@ -100,8 +100,9 @@ def test_a_failed_push_fails_the_function_that_made_it(strategy, coordinator):
 def test_a_push_the_server_refuses_fails_its_own_function(strategy, coordinator):
     """An error only the server sees (here: the variable was released under a live handle)
     comes back with a later message; it is reported as the error of the function that pushed."""
-    from daskps.ps import ops, protocol
-    from daskps.ps.routing import HOLDER
+    from daskps.client import protocol
+    from daskps.client.routing import HOLDER
+    from daskps.server import ops
 
     with strategy.scope():
         gone = dps.Variable(0.0, name="gone")

@@ -28,7 +28,7 @@ def test_a_held_push_sends_the_values_at_the_call(strategy, coordinator):
 def test_channels_to_two_new_servers_are_opened_once(strategy, monkeypatch):
     """Opening channels to two new servers in one call: the second must not prune the first
     (it is not connected yet, which is not dead)."""
-    from daskps.ps import channel
+    from daskps.client import channel
 
     made = []
     real_init = channel.Channel.__init__

@@ -83,7 +83,7 @@ def test_the_bar_is_tqdms_where_tqdm_is_installed_and_daskps_own_on_request():
 
 
 def test_metric_text_reads_result_before_calling_and_names_an_unreadable_metric():
-    from daskps.coordinator.progress import _metric_text
+    from daskps.ui.training_progress import _metric_text
 
     class Both:  # a metric object that is also callable: its result() is what is shown
         def result(self):

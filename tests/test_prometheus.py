@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import daskps as dps
-from daskps.ps.prometheus import METRICS
+from daskps.ui.prometheus import METRICS
 
 pytest.importorskip("prometheus_client")  # in the test extra: this runs in CI
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402

@@ -275,7 +275,7 @@ def test_no_ps_worker_in_time_fails_join_with_a_clear_error(fresh_cluster, tmp_p
 
 
 def test_server_keys_of_recreated_servers_parse():
-    from daskps.ps.group import parse_server_key, server_key
+    from daskps.client.group import parse_server_key, server_key
 
     assert parse_server_key(server_key(3, "abc123")) == (3, "abc123")
     assert parse_server_key(server_key(3, "abc123", 2)) == (3, "abc123")

@@ -220,7 +220,7 @@ def _boom():
 
 def _cached_functions() -> list[int]:
     """The keys of this process's function cache (run on each worker with ``client.run``), hashed."""
-    from daskps.coordinator import batches
+    from daskps.trainer import batches
 
     return sorted(hash(key) for key in list(batches._functions()._functions))
 

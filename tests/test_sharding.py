@@ -352,7 +352,7 @@ def test_training_code_reads_shards_from_the_worker(partitioned, client):
         table = dps.Variable(full, name="table")
 
     def step(ids):
-        from daskps.ps import protocol
+        from daskps.client import protocol
 
         assert protocol.transport_here().pool is get_worker().rpc  # the worker's own connections
         rows = strategy.run(lambda: dps.embedding_lookup(table, ids))

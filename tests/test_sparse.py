@@ -146,7 +146,8 @@ def test_integer_scatter_div_by_zero_is_refused():
 def test_server_refuses_out_of_range_rows_too(strategy):
     with strategy.scope():
         v = dps.Variable(np.zeros((3, 1), np.float32))
-    from daskps.ps import ops, protocol
+    from daskps.client import protocol
+    from daskps.server import ops
 
     bad = [(v._ref.key, "scatter_add", (np.array([0]), np.ones((1, 1), np.float32))),
            (v._ref.key, "scatter_add", (np.array([3]), np.ones((1, 1), np.float32)))]

@@ -11,11 +11,13 @@ import pytest
 
 import daskps as dps
 from daskps._core.updates import check_update
+from daskps.client import protocol
+from daskps.client.worker_state import WORKER_PLUGIN_NAME
 from daskps.errors import PartlyAppliedError, PSUnavailableError
-from daskps.ps import ops, protocol
-from daskps.ps.server import ParameterServer
-from daskps.ps.tables import DenseSpec, Staged, Table
-from daskps.ps.worker_state import WORKER_PLUGIN_NAME
+from daskps.server import ops
+from daskps.server.ops import DenseSpec
+from daskps.server.parameter_server import ParameterServer
+from daskps.server.tables import Staged, Table
 
 
 # -- a new kind of table is one class (and its spec) ---------------------------------------------

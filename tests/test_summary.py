@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import daskps as dps
-from daskps.coordinator import summary as scalar_logging
-from daskps.ps.plugin import METRICS_TOPIC
+from daskps.scheduler.messages import METRICS_TOPIC
+from daskps.ui import tensorboard as scalar_logging
 
 pytest.importorskip("tensorboardX.proto.event_pb2")  # tensorboardX is in the test extra
 

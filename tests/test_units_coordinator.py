@@ -11,10 +11,11 @@ import types
 
 import pytest
 
-from daskps.coordinator.batches import _pickled_error, load_error
-from daskps.coordinator.datasets import PerWorkerValues, call_position, running_function
+from daskps.client.routing import ServerRef
 from daskps.coordinator.recovery import Recovered, RecoveryControl, RecoveryState
-from daskps.ps.routing import ServerRef
+from daskps.scheduler.messages import load_error
+from daskps.trainer.batches import _pickled_error
+from daskps.trainer.datasets import PerWorkerValues, call_position, running_function
 
 
 def test_call_position_counts_each_iterators_next_calls_within_the_running_function():

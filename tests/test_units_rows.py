@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import daskps as dps
-from daskps.ps import protocol
+from daskps.client import protocol
 from daskps.variables import rows
 
 WHOLE = np.arange(8 * 2 * 3, dtype=np.float32).reshape(8, 2, 3)

@@ -3,7 +3,7 @@
 ``ParameterServer`` is plain Python (Dask hosts it as an actor); these tests
 call ``execute`` directly, with numbers from numpy written from the rules
 (SGD with momentum as Keras writes it), so they run without a cluster and
-are mutation testing's killers for ``daskps/ps/server.py``.
+are mutation testing's killers for ``daskps/server/parameter_server.py``.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from daskps._core import transforms
 from daskps._core.ckpt_io import RestoreSpec
 from daskps._core.updates import Refused
 from daskps.errors import PartlyAppliedError
-from daskps.ps import ops
-from daskps.ps.server import ParameterServer, _sendable
-from daskps.ps.tables import DenseSpec
+from daskps.server import ops
+from daskps.server.ops import DenseSpec
+from daskps.server.parameter_server import ParameterServer, _sendable
 
 
 def _server(task_id=0, **values) -> ParameterServer:
@@ -364,8 +364,8 @@ def test_a_release_by_a_holder_without_counts_changes_nothing_and_releases_go_on
 
 def test_a_recreated_servers_strategy_is_its_groups_in_labels():
     """After a recovery the server's key ends in -g1: /metrics and the plots still name its strategy's token."""
-    from daskps.ps.group import server_key, strategy_token
-    from daskps.ps.timeline import server_label
+    from daskps.client.group import server_key, strategy_token
+    from daskps.scheduler.timeline import server_label
 
     first, again = server_key(0, "abcdef0123", 0), server_key(0, "abcdef0123", 1)
     assert again.endswith("-g1")
@@ -394,7 +394,7 @@ def test_a_released_table_takes_the_bags_its_lookups_left_with_it():
 def test_table_commands_are_operations_of_their_own_not_reads():
     """An embedding table's keys, rows, counts and eviction go through TableCommand; a read with a name
     instead of ids is refused, and a dense variable takes no command."""
-    from daskps.ps.hash_table import HashSpec
+    from daskps.server.ops import HashSpec
 
     ps = _server(w=np.zeros(3))
     spec = HashSpec(dim=2, dtype="float32", initializer=None, admit_after=1, evict_after_steps=None,

@@ -132,7 +132,8 @@ def test_server_validates_too(strategy):
     """The ps checks every update before applying any: a batch with one bad item changes nothing."""
     with strategy.scope():
         a = dps.Variable([1.0, 2.0])
-    from daskps.ps import ops, protocol
+    from daskps.client import protocol
+    from daskps.server import ops
 
     with pytest.raises(ValueError, match="shape"):
         protocol.call([(a._ref.server, ops.Update([(a._ref.key, "add", np.ones(2, np.float32)),

@@ -66,7 +66,7 @@ def test_the_heartbeat_failure_of_a_closing_worker_is_not_logged_while_a_running
 
     from distributed import Scheduler, Worker
 
-    from daskps.ps.worker_state import HEARTBEAT_FAILED, _QuietHeartbeatAtClose
+    from daskps.client.worker_state import HEARTBEAT_FAILED, _QuietHeartbeatAtClose
 
     failed = logging.makeLogRecord({"name": "distributed.worker", "msg": HEARTBEAT_FAILED, "levelno": logging.ERROR})
     other = logging.makeLogRecord({"name": "distributed.worker", "msg": "Heartbeat: %s", "levelno": logging.DEBUG})
@@ -96,7 +96,7 @@ def test_importing_daskps_leaves_dasks_loggers_alone_until_a_worker_sets_up():
     code = (
         "import logging\n"
         "import daskps\n"
-        "from daskps.ps.worker_state import _QUIET, DaskPSWorkerPlugin\n"
+        "from daskps.client.worker_state import _QUIET, DaskPSWorkerPlugin\n"
         "log = logging.getLogger('distributed.worker')\n"
         "assert log.filters == [], log.filters\n"
         "class Worker: pass\n"

@@ -224,3 +224,11 @@ class Refused(NamedTuple):
     """In place of a result: an operation run on its own (``isolate``) that raised ``error``."""
 
     error: BaseException
+
+
+def check_keys(keys: Any, name: str, arg: str, one_d: bool) -> np.ndarray:
+    """An embedding table's ``keys`` as int64; refuse anything but integers that fit."""
+    k = integer_array(keys, f"embedding table {name!r}", arg, one_d)
+    if k.dtype == np.uint64 and k.size and k.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"{arg} for embedding table {name!r} must fit in int64, got {k.max()}")
+    return k.astype(np.int64, copy=False)

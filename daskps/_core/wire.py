@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import struct
 from typing import Any
 
 import cloudpickle
@@ -142,3 +143,20 @@ def unpack_grouped(message: list) -> Any:
         arrays.append(data[offset:offset + n].view(dtype).reshape(shape))
         offset += n + (-n) % ALIGN
     return _GroupedUnpickler(io.BytesIO(message[0]), message[3:], arrays).load()
+
+
+# -- a direct channel's messages: [8-byte count][8-byte length per frame][frames] ---------------------
+COUNT = struct.Struct("!Q")
+
+
+def framed(frames: list) -> list:
+    """``[count and sizes, *frames]``: a message as the other end reads it."""
+    sizes = [memoryview(f).nbytes for f in frames]
+    return [COUNT.pack(len(frames)) + struct.pack(f"!{len(frames)}Q", *sizes), *frames]
+
+
+def pack_answer(answer: tuple) -> list:
+    try:
+        return pack_grouped(answer)
+    except Exception as exc:  # an exception that does not pickle
+        return pack_grouped(("error", RuntimeError(f"{type(answer[1]).__name__}: {answer[1]}; ({exc})")))

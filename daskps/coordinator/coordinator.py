@@ -13,7 +13,7 @@ when the backlog is deep, so every trainer stays busy and the last batches
 are short. The scheduler sees one task per batch, not per function.
 
 Each function reports as soon as it finishes, through an event (see
-:mod:`daskps.coordinator.batches`): its RemoteValue is ready then, and a
+:mod:`daskps.trainer.batches`): its RemoteValue is ready then, and a
 batch that Dask runs again after its trainer died skips the functions that
 already reported. When a batch's task finishes its future is released (its
 result, the values too big for an event, is fetched first if it has any),
@@ -48,22 +48,23 @@ from typing import Any
 import cloudpickle
 from distributed import Client, as_completed
 
+from daskps._core import views
 from daskps._core.arrays import is_int
 from daskps._core.config import setting
 from daskps._core.pickling import dumps_or_explain, located
+from daskps.client import refs
+from daskps.client.routing import ROUTES
 from daskps.coordinator import recovery
-from daskps.coordinator.batches import BIG, ERROR, load_error, run_batch
-from daskps.coordinator.dask_input import DaskInput, dask_dataset
-from daskps.coordinator.datasets import PerWorkerDataset
+from daskps.coordinator.dask_input import dask_dataset
 from daskps.coordinator.recovery import RecoveryControl, RecoveryState
 from daskps.coordinator.remote import FAILED, PENDING, Outcome, RemoteValue, to_numpy
+from daskps.distribute.dask_data import DaskInput
 from daskps.distribute.strategy import ParameterServerStrategy
 from daskps.errors import CancelledError, PSUnavailableError, RollbackWarning
-from daskps.ps import refs
-from daskps.ps.plugin import BATCH_TOPIC_PREFIX, LOST, FunctionReport
-from daskps.ps.routing import ROUTES
+from daskps.scheduler.messages import BATCH_TOPIC_PREFIX, BIG, ERROR, LOST, FunctionReport, load_error
+from daskps.trainer.datasets import PerWorkerDataset
+from daskps.trainer.messages import run_batch
 from daskps.training.checkpoint import CheckpointManager
-from daskps.ui.display import coordinator_html
 
 __all__ = ["ClusterCoordinator", "RemoteValue"]
 
@@ -723,10 +724,10 @@ class ClusterCoordinator:
 
         ``dataset_fn`` may also be ``dps.data.from_dask(collection, ...)``:
         each trainer then reads the partitions it holds (see
-        :mod:`daskps.coordinator.dask_input`), and ``next`` at the end raises
+        :mod:`daskps.trainer.dask_input`), and ``next`` at the end raises
         ``StopIteration`` in the scheduled function.
 
-        Returns a :class:`~daskps.coordinator.datasets.PerWorkerDataset`;
+        Returns a :class:`~daskps.trainer.datasets.PerWorkerDataset`;
         ``iter()`` on it gives a per-worker iterator to pass to scheduled functions.
         """
         if isinstance(dataset_fn, DaskInput):
@@ -749,7 +750,7 @@ class ClusterCoordinator:
                     last_error=None if self.last_error is None else repr(self.last_error))
 
     def _repr_html_(self) -> str:
-        return coordinator_html(self.summary())
+        return views.html(views.CoordinatorView(self.summary()))
 
     def __repr__(self) -> str:
         s = self.summary()

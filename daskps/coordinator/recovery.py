@@ -37,12 +37,13 @@ from typing import Any
 from distributed import wait
 
 from daskps._core.config import setting
+from daskps.client import protocol, refs
+from daskps.client.group import key_generation
+from daskps.client.routing import ROUTES, ServerRef, connect_timeout, quoted, recovery_timeout
 from daskps.distribute.cluster import cluster_workers
 from daskps.errors import PSUnavailableError
-from daskps.ps import ops, protocol, refs
-from daskps.ps.group import key_generation
-from daskps.ps.plugin import move_cleanups, record_moves
-from daskps.ps.routing import ROUTES, ServerRef, connect_timeout, quoted, recovery_timeout
+from daskps.scheduler.messages import MoveCleanups, RecordMoves, ask
+from daskps.server import ops
 
 
 class RecoveryState(enum.Enum):
@@ -151,7 +152,7 @@ def recover(strategy: Any, manager: Any, done: Callable[[], Counter[int]]) -> Re
 
     ``done()`` counts the functions the coordinator has finished, by the
     generation of servers their trainer knew as they started
-    (:func:`~daskps.ps.group.generation_known`); the manager kept the same
+    (:func:`~daskps.client.group.generation_known`); the manager kept the same
     count at each save. Those that reached the lost servers (not their
     replacements) and finished after the save are the ones whose updates
     are lost. It is asked at the end, when the reports of functions that
@@ -196,7 +197,7 @@ def recover(strategy: Any, manager: Any, done: Callable[[], Counter[int]]) -> Re
                 for key in keys:
                     variables.pop(key, None)
         # Only now do trainers learn the new routes: batches as they start, and every worker at once.
-        group.client.run_on_scheduler(record_moves, {old.actor_key: tuple(new) for old, new in pairs})
+        group.client.run_on_scheduler(ask, RecordMoves({old.actor_key: tuple(new) for old, new in pairs}))
         _tell_workers(group.client, dict(ROUTES.moved))
     finally:
         ROUTES.release_holds(news)
@@ -268,7 +269,7 @@ def _tell_workers(client: Any, moves: dict[str, ServerRef]) -> None:
 
 def _move_cleanups(client: Any, old: ServerRef, new: ServerRef) -> None:
     """What the scheduler was to do once ``old`` went (have trainers forget datasets) waits for ``new``."""
-    client.run_on_scheduler(move_cleanups, old.actor_key, new.actor_key)
+    client.run_on_scheduler(ask, MoveCleanups(old.actor_key, new.actor_key))
 
 
 def _remake(group: Any, old: ServerRef, new: ServerRef) -> list[Any]:

@@ -24,9 +24,9 @@ import dask.config
 from distributed import Client, Nanny, Scheduler, Security, SpecCluster, Worker
 from distributed.core import Status
 
+from daskps._core import views
 from daskps._core.config import setting
-from daskps.ps.quantities import natural_key
-from daskps.ui.dashboard import add_to_navigation, register_page
+from daskps.scheduler.quantities import natural_key
 
 __all__ = ["DaskClusterResolver", "LocalPSCluster"]
 
@@ -144,12 +144,14 @@ class LocalPSCluster(SpecCluster):
             scheduler["options"].update(security=security, protocol="tls://" if tls else None)
             kwargs["security"] = security
         kwargs.setdefault("silence_logs", "error")
-        register_page()  # the parameter-server page, before the scheduler starts
+        for extra in views.CLUSTER_EXTRAS:  # the dashboard's daskps page, before the scheduler starts
+            extra.before_start()
         with dask.config.set(_unset(self.quiet_config)):
             _start_explaining_unguarded_script(
                 functools.partial(super().__init__, workers=workers, scheduler=scheduler, worker=spec("worker"),
                                   **kwargs))
-        add_to_navigation(self.scheduler)  # "Daskps" in Dask's own navigation bar, beside Status, Workers, ...
+        for extra in views.CLUSTER_EXTRAS:  # "Daskps" in Dask's own navigation bar, beside Status, Workers, ...
+            extra.started(self.scheduler)
         link = self.daskps_link
         if link:  # where to look, at once (stderr: a script's own output stays its own)
             print(f"daskps dashboard: {link}", file=sys.stderr, flush=True)

@@ -3,7 +3,7 @@
 ``dps.data.from_dask(collection, batch_size, ...)`` checks the collection
 and the options and returns a :class:`DaskInput`. Two readers take it:
 ``ClusterCoordinator.create_per_worker_dataset`` (the trainers read it, see
-:mod:`daskps.coordinator.dask_input`) and ``SidecarEvaluator(data=...)``
+:mod:`daskps.trainer.dask_input`) and ``SidecarEvaluator(data=...)``
 (one evaluator reads a whole pass). Both persist the collection where it
 will be read unless it was persisted already (then its partitions are used
 where they lie), read each partition from the worker's own memory when it
@@ -24,6 +24,7 @@ from distributed import Future, futures_of, wait, worker_client
 
 from daskps._core.arrays import is_int
 from daskps._core.config import setting
+from daskps.scheduler.messages import ask
 
 __all__ = ["Batcher", "DaskInput", "from_dask", "one_pass", "partition_futures", "read_partition", "rows_per_partition",
            "slice_rows", "take_rows", "unpublish_later"]
@@ -297,13 +298,14 @@ def one_pass(spec: DaskInput, futures: list[tuple[Future, ...]], read: Any) -> I
         yield from batcher.ready
 
 
-def unpublish_later(client: Any, name: str, on_scheduler: Any = None) -> None:
-    """Drop the futures published as ``name`` (after ``on_scheduler(name)`` runs on the scheduler,
-    if given), without blocking whoever dropped them: safe in a finalizer, in any thread."""
+def unpublish_later(client: Any, name: str, request: Any = None) -> None:
+    """Drop the futures published as ``name`` (after the scheduler plugin answers ``request``, if given:
+    a :mod:`daskps.scheduler.messages` request), without blocking whoever dropped them: safe in a
+    finalizer, in any thread."""
     async def go() -> None:
         with contextlib.suppress(Exception):  # the cluster is going away: nothing left to free
-            if on_scheduler is not None:
-                await client.run_on_scheduler(on_scheduler, name, asynchronous=True)
+            if request is not None:
+                await client.run_on_scheduler(ask, request, asynchronous=True)
             await client.unpublish_dataset(name, asynchronous=True)
 
     with contextlib.suppress(Exception):

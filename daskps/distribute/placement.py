@@ -23,10 +23,11 @@ import numpy as np
 
 from daskps._core.arrays import call_initializer, default_array, is_int
 from daskps._core.config import setting
+from daskps.client import protocol, refs
+from daskps.client.routing import ServerRef
 from daskps.distribute.partitioners import div_offsets
-from daskps.ps import ops, protocol, refs
-from daskps.ps.routing import ServerRef
-from daskps.ps.tables import DenseSpec
+from daskps.server import ops
+from daskps.server.ops import DenseSpec
 
 
 @dataclasses.dataclass

@@ -1,6 +1,6 @@
 """``ParameterServerStrategy``: variables on parameter servers, steps on workers.
 
-The strategy owns a :class:`~daskps.ps.group.ServerGroup`: one
+The strategy owns a :class:`~daskps.client.group.ServerGroup`: one
 ``ParameterServer`` actor per ps-tagged worker. Variables made in
 ``strategy.scope()`` go to the servers round robin. Everything made through
 the strategy holds the group, so the servers live as long as any of it is
@@ -26,8 +26,12 @@ from distributed import Client, default_client
 from distributed.comm import connect, parse_address
 from distributed.deploy import Cluster
 
+from daskps._core import views
 from daskps._core.arrays import check_trainable_flag, check_variable_args
 from daskps._core.config import setting
+from daskps.client import protocol
+from daskps.client.group import ServerGroup
+from daskps.client.routing import ROUTES, ServerRef
 from daskps.distribute import placement
 from daskps.distribute.cluster import DaskClusterResolver
 from daskps.distribute.context import (
@@ -36,11 +40,7 @@ from daskps.distribute.context import (
     SingleReplicaStrategy,
     in_scheduled_function,
 )
-from daskps.ps import protocol
-from daskps.ps.group import ServerGroup
-from daskps.ps.plugin import install_plugin
-from daskps.ps.routing import ROUTES, ServerRef
-from daskps.ui.display import StrategyView, strategy_html, strategy_text
+from daskps.scheduler.plugin import install_plugin
 
 __all__ = ["ParameterServerStrategy"]
 
@@ -378,20 +378,36 @@ class ParameterServerStrategy(SingleReplicaStrategy):
         return [s.as_dict() for s in protocol.stats(self._ps, self._group)]
 
     def _repr_html_(self) -> str:
-        return strategy_html(self._display())
+        return views.html(self._display())
 
     def summary(self) -> str:
         """Servers (variables, bytes, reads, updates) and trainers, as text; never blocks long."""
-        return strategy_text(self._display())
+        return views.text(self._display())
 
-    def _display(self) -> StrategyView:
+    def _server_rows(self) -> list[views.ServerRow]:
+        """Each server's numbers, waiting at most ``daskps.display-timeout`` for each."""
+        if self.closed:
+            return [views.ServerRow(ps.task_id, ps.device, ps.address, "closed", None) for ps in self._ps]
+        results = protocol.stats_within(list(self._ps), self._group, setting("display_timeout"))
+        rows = []
+        for ps, res in zip(self._ps, results):
+            if isinstance(res, BaseException):
+                rows.append(views.ServerRow(ps.task_id, ps.device, ps.address,
+                                            f"unreachable: {type(res).__name__}: {res}", None))
+            else:
+                rows.append(views.ServerRow(ps.task_id, ps.device, ps.address, "ok", {
+                    "variables": res.num_variables, "nbytes": res.nbytes, "slot_nbytes": res.slot_nbytes,
+                    "reads": res.reads, "updates": res.updates, "bytes_read": res.bytes_read}))
+        return rows
+
+    def _display(self) -> views.StrategyView:
         try:
             current = dict(self._resolver.training_workers()) if self._resolver is not None else {}
         except Exception:  # a display must not fail: show what we know
             current = {}
         trainers = [(name, current.get(name, "gone")) for name in self._worker_names]
         link = self._client.dashboard_link if self._client is not None else ""
-        return StrategyView(repr(self), list(self._ps), self._group, self.closed, trainers, link)
+        return views.StrategyView(repr(self), self._server_rows(), trainers, link)
 
     def __repr__(self) -> str:
         if self._client is None:

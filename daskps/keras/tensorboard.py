@@ -33,9 +33,8 @@ class TensorBoard(keras.callbacks.Callback):
         try:
             import tensorboardX  # noqa: F401
         except ImportError as exc:
-            from daskps.coordinator.summary import TENSORBOARD_MISSING
-
-            raise ImportError(TENSORBOARD_MISSING) from exc
+            raise ImportError('dps.keras.TensorBoard writes event files with tensorboardX: pip install '
+                              '".[tensorboard]" in the daskps checkout, or pip install tensorboardX') from exc
         self.log_dir = str(log_dir)
         self._writers: dict[str, Any] = {}
 

@@ -45,15 +45,14 @@ import distributed
 import fsspec
 import numpy as np
 
-from daskps._core import ckpt_io
+from daskps._core import ckpt_io, views
 from daskps._core.arrays import is_int
 from daskps._core.config import setting
-from daskps.ps import protocol
-from daskps.ps.hash_table import SAVED_TENSORS, HashRestoreSpec
-from daskps.ps.plugin import CHECKPOINT_TOPIC
+from daskps.client import protocol
+from daskps.scheduler.messages import CHECKPOINT_TOPIC
+from daskps.server.ops import SAVED_TENSORS, HashRestoreSpec
 from daskps.training.metrics import Metric
 from daskps.training.optimizers import Optimizer
-from daskps.ui.progress import watch
 from daskps.variables.hashed import EmbeddingTable
 from daskps.variables.variable import ShardedVariable, Variable
 
@@ -319,7 +318,7 @@ def _with_progress(run: Callable[[], Any], label: str, nbytes: int, fs: Any, roo
 
     thread = threading.Thread(target=target, name="daskps-save", daemon=True)
     thread.start()
-    watch(label, nbytes, lambda: fs.du(root), lambda: not thread.is_alive())
+    views.watch_bytes(label, nbytes, lambda: fs.du(root), lambda: not thread.is_alive())
     thread.join()
     if "error" in out:
         raise out["error"]

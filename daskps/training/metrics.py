@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from daskps.client import protocol
 from daskps.distribute import context
-from daskps.ps import protocol
 from daskps.variables.variable import Variable, read_values
 
 __all__ = ["Accuracy", "Mean", "Metric", "SparseCategoricalAccuracy", "Sum"]

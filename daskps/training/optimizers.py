@@ -38,9 +38,10 @@ import numpy as np
 from daskps._core import clipping, schedules, transforms, trees
 from daskps._core.slices import IndexedSlices
 from daskps._core.updates import check_gradient, coerce_values
+from daskps.client import protocol, refs
+from daskps.client.routing import LOCAL
 from daskps.distribute import context
-from daskps.ps import ops, protocol, refs
-from daskps.ps.routing import LOCAL
+from daskps.server import ops
 from daskps.variables import rows
 from daskps.variables.bags import PooledSlices, check_pooled
 from daskps.variables.hashed import EmbeddingTable

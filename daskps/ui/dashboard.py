@@ -13,7 +13,7 @@ before the scheduler starts:
 - for a ``dask scheduler`` started by hand, preload this module:
   ``dask scheduler --preload daskps.dashboard``.
 
-The numbers come from the scheduler plugin of :mod:`daskps.ps.plugin`, which
+The numbers come from the scheduler plugin of :mod:`daskps.scheduler.plugin`, which
 ``ParameterServerStrategy`` registers: it notes where each server lives,
 counts completed functions per trainer and asks every server for its
 ``stats()`` once a ``daskps.metrics-interval``; the page shows its latest
@@ -28,9 +28,11 @@ from typing import Any
 
 from dask.utils import format_bytes
 
+from daskps._core import views
 from daskps._core.config import setting
-from daskps.ps.plugin import PLUGIN_NAME, DaskPSSchedulerPlugin
-from daskps.ps.quantities import TrainerCounts, bytes_held, natural_key, server_name
+from daskps.scheduler.messages import PLUGIN_NAME
+from daskps.scheduler.plugin import DaskPSSchedulerPlugin
+from daskps.scheduler.quantities import TrainerCounts, bytes_held, natural_key, server_name
 from daskps.ui.plots import PAGES, make_app
 
 ROUTE = "/individual-daskps"
@@ -182,3 +184,16 @@ def dask_setup(scheduler: Any) -> None:
     if PLUGIN_NAME not in scheduler.plugins:
         scheduler.add_plugin(DaskPSSchedulerPlugin(scheduler), name=PLUGIN_NAME)
     add_to_navigation(scheduler)
+
+
+class _OnLocalCluster(views.ClusterExtra):
+    """Registered in :data:`daskps._core.views.CLUSTER_EXTRAS`: a LocalPSCluster's scheduler shows the page."""
+
+    def before_start(self) -> None:
+        register_page()
+
+    def started(self, scheduler: Any) -> None:
+        add_to_navigation(scheduler)
+
+
+views.CLUSTER_EXTRAS.append(_OnLocalCluster())

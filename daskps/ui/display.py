@@ -1,54 +1,27 @@
 """What the cluster holds, for people: text and HTML summaries for Jupyter.
 
-Every summary reads live state but waits at most ``daskps.display-timeout``
-(1 s, Dask config) for each parameter server; a slow or lost server shows as
-such instead of hanging the notebook.
+Each summary draws a plain view (:mod:`daskps._core.views`) that the object
+shown made of itself: the servers' numbers were asked for by the domain code,
+which waits at most ``daskps.display-timeout`` (1 s) for each server, so a
+slow or lost server shows as such instead of hanging the notebook. Importing
+this module registers the drawers.
 """
 
 from __future__ import annotations
 
 import html
-from typing import Any, NamedTuple
+from typing import Any
 
 from dask.utils import format_bytes
 
-from daskps._core.config import setting
-from daskps.ps import protocol
-from daskps.ps.quantities import bytes_held, server_name
-from daskps.ps.routing import ServerRef
+from daskps._core import views
+from daskps._core.views import CoordinatorView, EmbeddingTableView, ShardedView, StrategyView, VariableView
+from daskps.scheduler.quantities import bytes_held, server_name
 
 
-def display_timeout() -> float:
-    return setting("display_timeout")
-
-
-class StrategyView(NamedTuple):
-    """What a strategy's displays show: handed over by the strategy, read here."""
-
-    title: str  # its repr
-    servers: list[ServerRef]
-    group: Any  # the servers' group, to ask them for their stats
-    closed: bool
-    trainers: list[tuple[str, str]]  # (name, address or "gone") of each trainer, by index
-    dashboard_link: str
-
-
-def server_rows(view: StrategyView) -> list[dict[str, Any]]:
-    """One row per parameter server: address, state, variables, bytes, reads, updates."""
-    if view.closed:
-        return [{"task": ps.task_id, "device": ps.device, "address": ps.address, "status": "closed"}
-                for ps in view.servers]
-    results = protocol.stats_within(view.servers, view.group, display_timeout())
-    rows = []
-    for ps, res in zip(view.servers, results):
-        row: dict[str, Any] = {"task": ps.task_id, "device": ps.device, "address": ps.address}
-        if isinstance(res, BaseException):
-            row["status"] = f"unreachable: {type(res).__name__}: {res}"
-        else:
-            row.update(status="ok", variables=res.num_variables, nbytes=res.nbytes, slot_nbytes=res.slot_nbytes,
-                       reads=res.reads, updates=res.updates, bytes_read=res.bytes_read)
-        rows.append(row)
-    return rows
+def _rows(view: StrategyView) -> list[dict[str, Any]]:
+    return [{"task": r.task, "device": r.device, "address": r.address, "status": r.status, **(r.stats or {})}
+            for r in view.servers]
 
 
 def _table(headers: list[str], rows: list[list[Any]]) -> str:
@@ -59,7 +32,7 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
 
 def strategy_html(view: StrategyView) -> str:
     rows = []
-    for r in server_rows(view):
+    for r in _rows(view):
         if r["status"] == "ok":
             rows.append([server_name(r), r["address"], r["variables"], format_bytes(bytes_held(r)),
                          f"{r['reads']:,}", f"{r['updates']:,}", "ok"])
@@ -79,7 +52,7 @@ def strategy_html(view: StrategyView) -> str:
 
 def strategy_text(view: StrategyView) -> str:
     lines = [view.title, f"dashboard: {view.dashboard_link}"]
-    for r in server_rows(view):
+    for r in _rows(view):
         if r["status"] == "ok":
             lines.append(f"  {server_name(r)} {r['address']}: {r['variables']} variables, "
                          f"{format_bytes(bytes_held(r))}, {r['reads']:,} reads, {r['updates']:,} updates")
@@ -89,21 +62,14 @@ def strategy_text(view: StrategyView) -> str:
     return "\n".join(lines)
 
 
-def _where(v: Any) -> str:
-    server = v.handle.server
-    return "this process" if server.is_local else server.address
-
-
-def variable_html(v: Any) -> str:
-    rows = [[v.name, v.shape, v.dtype, format_bytes(v.nbytes), v.device, _where(v)]]
+def variable_html(v: VariableView) -> str:
+    rows = [[v.name, v.shape, v.dtype, format_bytes(v.nbytes), v.device, v.address]]
     return "<div><strong>daskps.Variable</strong>" + _table(
         ["name", "shape", "dtype", "bytes", "device", "address"], rows) + "</div>"
 
 
-def sharded_html(sv: Any) -> str:
-    n, offsets = len(sv.variables), sv.row_offsets
-    spans = [f"{offsets[i]}:{offsets[i + 1]}" if sv.layout == "div" else f"{i}::{n}" for i in range(n)]
-    rows = [[v.name, span, format_bytes(v.nbytes), v.device, _where(v)] for v, span in zip(sv.variables, spans)]
+def sharded_html(sv: ShardedView) -> str:
+    rows = [[v.name, span, format_bytes(v.nbytes), v.device, v.address] for v, span in sv.shards]
     return (
         f"<div><strong>daskps.ShardedVariable</strong> {html.escape(sv.name)} shape={sv.shape} "
         f"dtype={sv.dtype} ({format_bytes(sv.nbytes)} in {len(rows)} shards)"
@@ -111,27 +77,31 @@ def sharded_html(sv: Any) -> str:
     )
 
 
-def embedding_table_html(table: Any) -> str:
+def embedding_table_html(table: EmbeddingTableView) -> str:
     """An EmbeddingTable: its settings, and per server the rows it holds and what came and went."""
-    rows = []
-    for handle, counts in zip(table.handles, table.stats()):
-        server = handle.server
-        rows.append([server.device, "this process" if server.is_local else server.address,
-                     *(f"{counts[f]:,}" for f in ("rows", "admitted", "evicted", "dropped", "pending"))])
-    rules = f"admit_after={table.admit_after} evict_after_steps={table.evict_after_steps} capacity={table.capacity}"
+    rows = [[device, address, *(f"{counts[f]:,}" for f in ("rows", "admitted", "evicted", "dropped", "pending"))]
+            for device, address, counts in table.parts]
     return (
         f"<div><strong>daskps.EmbeddingTable</strong> {html.escape(table.name)} dim={table.dim} "
-        f"dtype={table.dtype} {html.escape(rules)}"
+        f"dtype={table.dtype} {html.escape(table.rules)}"
         + _table(["device", "address", "rows held", "admitted", "evicted", "gradient rows dropped", "pending keys"],
                  rows) + "</div>"
     )
 
 
-def coordinator_html(s: dict[str, Any]) -> str:
+def coordinator_html(view: CoordinatorView) -> str:
     """A coordinator's ``summary()`` as HTML."""
+    s = view.summary
     rows = [[s["scheduled"], s["in_flight"], s["done"], s["failed"], s["cancelled"], f"{s['per_second']:.1f}"]]
     error = "" if s["last_error"] is None else f"<div>last error: <code>{html.escape(s['last_error'])}</code></div>"
     return (
         "<div><strong>ClusterCoordinator</strong>"
         + _table(["scheduled", "in flight", "done", "failed", "cancelled", "done/s"], rows) + error + "</div>"
     )
+
+
+views.draw(StrategyView, html=strategy_html, text=strategy_text)
+views.draw(VariableView, html=variable_html)
+views.draw(ShardedView, html=sharded_html)
+views.draw(EmbeddingTableView, html=embedding_table_html)
+views.draw(CoordinatorView, html=coordinator_html)

@@ -16,7 +16,7 @@ with ``/individual-`` (so dask-labextension lists each as a JupyterLab panel):
   50th/90th/99th percentile of their latest functions' durations, and
   failures and re-runs over time.
 
-Every number comes from the scheduler plugin's :class:`daskps.ps.timeline.Timeline`,
+Every number comes from the scheduler plugin's :class:`daskps.scheduler.timeline.Timeline`,
 which the plugin fills once a ``daskps.metrics-interval``; a page never asks
 the servers anything, so an open page costs them nothing.
 """
@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from daskps.ps.plugin import PLUGIN_NAME
-from daskps.ps.timeline import SERVER_FIELDS, Tick, Timeline
+from daskps.scheduler.messages import PLUGIN_NAME
+from daskps.scheduler.timeline import SERVER_FIELDS, Tick, Timeline
 
 KEEP = 600  # points each time series keeps
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",

@@ -1,7 +1,7 @@
 """Progress bars for long actions, in a terminal or a Jupyter notebook.
 
 :class:`ProgressBar` shows how much of something is done and the rate;
-``dps.progress(coordinator, metrics)`` (:mod:`daskps.coordinator.progress`)
+``dps.progress(coordinator, metrics)`` (:mod:`daskps.ui.training_progress`)
 uses it for training, and large checkpoint saves (:func:`watch`) for the
 bytes written. Where ``tqdm`` is installed (``pip install ".[progress]"`` in the checkout)
 the bar is drawn by tqdm (the bar ``tqdm.auto`` would pick), as Dask users know it: a text bar in a
@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from daskps._core import views
 from daskps._core.config import setting
 
 __all__ = ["ProgressBar", "watch"]
@@ -139,3 +140,6 @@ def watch(label: str, total_bytes: int, measure: Callable[[], float], stop: Call
     finally:
         bar.close()
     return bar
+
+
+views.watch_with(watch)  # a large checkpoint's save shows its bytes with this bar

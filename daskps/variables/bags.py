@@ -18,8 +18,8 @@ import numpy as np
 from daskps._core.bags import REMEMBERED, BagGrad, BagRead, pool, spread
 from daskps._core.trees import to_numpy
 from daskps._core.updates import coerce_values
-from daskps.ps import protocol
-from daskps.ps.routing import holder_here
+from daskps.client import protocol
+from daskps.client.routing import holder_here
 from daskps.variables.embedding import check_max_norm
 from daskps.variables.hashed import EmbeddingTable
 from daskps.variables.variable import ShardedVariable, Variable
@@ -425,7 +425,7 @@ def _lengths_type(lengths: np.ndarray) -> np.ndarray:
 
 
 def _owner_of_keys(table: EmbeddingTable, keys: np.ndarray) -> np.ndarray:
-    from daskps.ps.hashing import server_of
+    from daskps._core.hashing import server_of
 
     return server_of(keys, len(table.handles)).astype(np.int64)
 

@@ -3,9 +3,9 @@
 Recommendation models look up ids with no upper bound (user ids, item ids,
 hashed feature crosses). An ``EmbeddingTable`` has one part on each
 parameter server; key ``k`` lives on server ``splitmix64(k) % num_servers``
-(:mod:`daskps.ps.hashing`), where its row is made the first time a lookup
+(:mod:`daskps._core.hashing`), where its row is made the first time a lookup
 admits it. The rules for admission, eviction and capacity are written out
-in :mod:`daskps.ps.hash_table`.
+in :mod:`daskps.server.hash_table`.
 """
 
 from __future__ import annotations
@@ -16,12 +16,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from daskps._core import views
+from daskps._core.hashing import server_of
+from daskps._core.updates import check_keys
+from daskps.client import protocol, refs
+from daskps.client.refs import Ref
+from daskps.client.routing import LOCAL
 from daskps.distribute import context
-from daskps.ps import protocol, refs
-from daskps.ps.hash_table import EVICT, KEYS, ROWS, STAT_FIELDS, STATS, HashSpec, check_keys
-from daskps.ps.hashing import server_of
-from daskps.ps.refs import Ref
-from daskps.ps.routing import LOCAL
+from daskps.server.ops import EVICT, KEYS, ROWS, STAT_FIELDS, STATS, HashSpec
 from daskps.variables.variable import new_key
 
 __all__ = ["EmbeddingTable"]
@@ -245,9 +247,10 @@ class EmbeddingTable:
         return [dict(zip(STAT_FIELDS, (int(x) for x in s))) for s in self._each(STATS)]
 
     def _repr_html_(self) -> str:
-        from daskps.ui.display import embedding_table_html
-
-        return embedding_table_html(self)
+        parts = [(ref.server.device, "this process" if ref.server.is_local else ref.server.address, counts)
+                 for ref, counts in zip(self._parts, self.stats())]
+        rules = f"admit_after={self.admit_after} evict_after_steps={self.evict_after_steps} capacity={self.capacity}"
+        return views.html(views.EmbeddingTableView(self._name, self._dim, self._dtype, rules, parts))
 
     def __repr__(self) -> str:
         where = "this process" if self._parts[0].server.is_local else f"{len(self._parts)} parameter servers"

@@ -20,7 +20,7 @@ import numpy as np
 
 from daskps._core.arrays import is_int
 from daskps._core.updates import check_indices
-from daskps.ps import protocol
+from daskps.client import protocol
 from daskps.variables.arraylike import ArrayLike
 
 __all__ = ["clip_rows", "gather_rows", "getitem", "getitem_by_rows", "plan_rows", "read_plan", "split_rows"]

@@ -1,11 +1,11 @@
 """``Variable`` and ``ShardedVariable``: numpy arrays held by parameter servers.
 
-A variable is a small handle: a :class:`~daskps.ps.refs.Ref` (server and
+A variable is a small handle: a :class:`~daskps.client.refs.Ref` (server and
 key) plus name, shape, dtype and trainability. Reading or updating it is one
-call to the server that holds it, through :mod:`daskps.ps.protocol`, from
+call to the server that holds it, through :mod:`daskps.client.protocol`, from
 whichever process uses it. Made inside ``strategy.scope()`` it lives on a
 parameter server; outside any scope it lives on this process's own server
-(``daskps.ps.routing.LOCAL``), as TensorFlow keeps such variables on the coordinator.
+(``daskps.client.routing.LOCAL``), as TensorFlow keeps such variables on the coordinator.
 
 Its storage lives as long as some handle to it does, in any process.
 
@@ -22,14 +22,14 @@ from typing import Any
 
 import numpy as np
 
-from daskps._core import trees
+from daskps._core import trees, views
 from daskps._core.arrays import check_trainable_flag, check_variable_args, default_array
 from daskps._core.updates import BATCH_SCATTER, check_indices, check_update
+from daskps.client import protocol, refs
+from daskps.client.refs import Ref
+from daskps.client.routing import LOCAL
 from daskps.distribute import context
-from daskps.ps import protocol, refs
-from daskps.ps.refs import Ref
-from daskps.ps.routing import LOCAL
-from daskps.ps.tables import DenseSpec
+from daskps.server.ops import DenseSpec
 from daskps.variables import rows
 from daskps.variables.arraylike import ArrayLike
 
@@ -189,12 +189,16 @@ class Variable(ArrayLike, metaclass=_VariableMeta):
         return iter(self.numpy())
 
     def _repr_html_(self) -> str:
-        from daskps.ui.display import variable_html
-
-        return variable_html(self)
+        return views.html(_variable_view(self))
 
     def __repr__(self) -> str:
         return f"<daskps.Variable {self.name!r} shape={self._shape} dtype={self._dtype} device={self.device!r}>"
+
+
+def _variable_view(v: Variable) -> views.VariableView:
+    server = v.handle.server
+    return views.VariableView(v.name, v.shape, v.dtype, v.nbytes, v.device,
+                              "this process" if server.is_local else server.address)
 
 
 class ShardedVariable(ArrayLike):
@@ -376,9 +380,10 @@ class ShardedVariable(ArrayLike):
         return [(v, self._offsets[i], self._offsets[i + 1]) for i, v in enumerate(self._variables)]
 
     def _repr_html_(self) -> str:
-        from daskps.ui.display import sharded_html
-
-        return sharded_html(self)
+        n, offsets = len(self._variables), self._offsets
+        spans = [f"{offsets[i]}:{offsets[i + 1]}" if self._layout == "div" else f"{i}::{n}" for i in range(n)]
+        return views.html(views.ShardedView(self._name, self._shape, self.dtype, self.nbytes,
+                                            [(_variable_view(v), span) for v, span in zip(self._variables, spans)]))
 
     def __repr__(self) -> str:
         layout = "" if self._layout == "div" else f" layout={self._layout!r}"

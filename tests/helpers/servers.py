@@ -8,7 +8,7 @@ from .waiting import wait_until
 def _holders_on(keys, dask_worker=None):
     """On a ps worker: who the servers there count as holding each of ``keys`` (absent: not held),
     as ``{"coordinator": n, "trainer": n}`` (a trainer's holder id names its worker: ``...@address``)."""
-    from daskps.ps.server import ParameterServer
+    from daskps.server.parameter_server import ParameterServer
 
     out = {}
     for actor in dask_worker.state.actors.values():

@@ -12,7 +12,7 @@ Usage (from the repository root, after ``mutmut run`` has written ``mutants/``; 
 
     DASKPS_TEST_THREAD_WORKERS=1 LINEMAP_OUTCOMES=linemap-outcomes.json PYTHONPATH=tests/mutation \\
         python -m coverage run --source=daskps -m pytest -p linemap_plugin -p no:cacheprovider --timeout=400
-    python tests/mutation/run_by_lines.py daskps.coordinator.datasets --jobs 2 --results mutation-results.jsonl
+    python tests/mutation/run_by_lines.py daskps.trainer.datasets --jobs 2 --results mutation-results.jsonl
     python tests/mutation/run_by_lines.py --report --results mutation-results.jsonl
 
 Verdicts: ``killed`` (a test failed; its id is kept), ``timeout`` (the mutant hung: killed, as mutmut counts
@@ -344,7 +344,7 @@ def report(results: Path, mutmut_meta: Path | None) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("modules", nargs="*", help="module names (daskps.coordinator.datasets) or mutant names")
+    parser.add_argument("modules", nargs="*", help="module names (daskps.trainer.datasets) or mutant names")
     parser.add_argument("--results", default="mutation-results.jsonl", type=Path)
     parser.add_argument("--coverage-data", default=".coverage")
     parser.add_argument("--outcomes", default="linemap-outcomes.json")

@@ -32,11 +32,12 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+from daskps.client import protocol
+from daskps.client.group import group_of
+from daskps.client.routing import HOLDER, ROUTES, ServerRef, holder_here
+from daskps.client.transport import sender_for
 from daskps.errors import PSUnavailableError
-from daskps.ps import ops, protocol
-from daskps.ps.group import group_of
-from daskps.ps.routing import HOLDER, ROUTES, ServerRef, holder_here
-from daskps.ps.transport import sender_for
+from daskps.server import ops
 
 logger = logging.getLogger("daskps")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, NamedTuple
 
-from daskps.ps.quantities import TrainerCounts, bytes_held, server_name
+from daskps.scheduler.quantities import TrainerCounts, bytes_held, server_name
 
 SERVER_FIELDS = ("bytes", "reads", "updates", "bytes_read", "bytes_received")  # bytes: quantities.bytes_held
 KEEP_STRATEGIES = 64  # strategies whose metric values are kept
@@ -23,7 +23,7 @@ KEEP_STRATEGIES = 64  # strategies whose metric values are kept
 
 def server_label(row: dict[str, Any], with_strategy: bool) -> str:
     """``ps-N`` for a server's stats row; with its strategy's token where several strategies have servers."""
-    from daskps.ps.group import strategy_token  # (the server key's format)
+    from daskps.client.group import strategy_token  # (the server key's format)
 
     token = strategy_token(row.get("key", ""))[:8]
     return f"{server_name(row)} ({token})" if with_strategy else server_name(row)

@@ -23,7 +23,7 @@ from daskps._core.arrays import is_int
 from daskps.coordinator.coordinator import ClusterCoordinator
 from daskps.coordinator.recovery import RecoveryState
 from daskps.errors import PSUnavailableError
-from daskps.ps.plugin import METRICS_TOPIC
+from daskps.scheduler.messages import METRICS_TOPIC
 
 __all__ = ["ScalarLogger", "create_file_writer"]
 

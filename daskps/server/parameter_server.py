@@ -3,7 +3,7 @@
 One ``ParameterServer`` lives on each ps-tagged worker as a Dask actor, and
 one in every process that has local variables. It has a single entry point,
 :meth:`ParameterServer.execute`, which runs a list of typed operations
-(:mod:`daskps.ps.ops`) in order; :mod:`daskps.ps.protocol` is the only code
+(:mod:`daskps.server.ops`) in order; :mod:`daskps.client.protocol` is the only code
 that builds those lists. Dask runs the synchronous methods of all actors on
 a worker one at a time, so each operation sees and leaves a consistent state
 without locks.
@@ -16,7 +16,7 @@ holder (a process; on a worker, ``process@worker-address``), set by ``Create``/`
 changed by ``Acquire``/``Release``; when the counts reach zero the object,
 and for an optimizer its slots in every table, are dropped.
 
-A variable's values are a :class:`daskps.ps.tables.Table`: the server
+A variable's values are a :class:`daskps.server.tables.Table`: the server
 holds tables without knowing their kind. This module imports only the numpy
 core: the server knows nothing of the client side.
 """
@@ -37,8 +37,9 @@ from daskps._core.bags import BagGrad, BagMemory, BagRead, check_bags, check_max
 from daskps._core.ckpt_io import Written
 from daskps._core.updates import Refused
 from daskps.errors import PartlyAppliedError
-from daskps.ps import ops
-from daskps.ps.tables import Staged, Table
+from daskps.server import ops
+from daskps.server.hash_table import HashTable
+from daskps.server.tables import DenseTable, Staged, Table
 
 
 def _sendable(exc: Exception) -> Exception:
@@ -64,7 +65,7 @@ class ParameterServer:
     Dask hosts it as an actor, but it is plain Python:
 
     >>> import numpy as np
-    >>> from daskps.ps.tables import DenseSpec
+    >>> from daskps.server.ops import DenseSpec
     >>> ps = ParameterServer(0)
     >>> ps.execute([ops.Create("k1", "w", DenseSpec([1.0, 2.0], dtype="float32"), "me")])
     [Created(shape=(2,), dtype='<f4', sliced=False)]
@@ -184,7 +185,7 @@ class ParameterServer:
     def create(self, op: ops.Create) -> ops.Created:
         if op.key in self._holders:
             raise ValueError(f"key {op.key!r} already exists on {self._where()}")
-        table, sliced = op.spec.build(op.name)
+        table, sliced = _build(op.spec, op.name)
         self._new(op.key, op.holder)
         self._tables[op.key] = table
         _, shape, dtype = table.info()
@@ -383,3 +384,10 @@ def _nbytes(payload: Any) -> int:
     if isinstance(payload, (tuple, list)):
         return sum(_nbytes(p) for p in payload)
     return 0
+
+
+def _build(spec: ops.TableSpec, name: str) -> tuple[Table, bool]:
+    """The table a ``Create`` makes from ``spec``, and whether its initializer built more than this part."""
+    if isinstance(spec, ops.HashSpec):
+        return HashTable(name, spec), False
+    return DenseTable.build(spec, name)

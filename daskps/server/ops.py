@@ -1,7 +1,7 @@
 """The operations a parameter server runs, and the records it answers with.
 
 A message to a server is a list of these; the server runs them in order
-(:meth:`daskps.ps.server.ParameterServer.execute`) and answers with one
+(:meth:`daskps.server.parameter_server.ParameterServer.execute`) and answers with one
 result each. They are NamedTuples: cheap to build on the hot path, cheap to
 pickle, and their fields name what used to be positions in a tuple.
 
@@ -11,21 +11,74 @@ specs: a server and a client agree on it and on nothing else.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import EllipsisType
-from typing import NamedTuple, Union
+from typing import Any, NamedTuple, Union
 
 import numpy as np
 
+from daskps._core import ckpt_io
 from daskps._core.ckpt_io import RestoreSpec
 from daskps._core.transforms import Transform
-from daskps.ps.tables import TableSpec
 
 # What a read takes from a value: the whole value (Ellipsis), a row number,
 # rows by number, a slice, or a tuple of those (numpy's basic indexing).
 Index = Union[EllipsisType, int, slice, np.ndarray, tuple]
 # An update or gradient after the client checked it: an array, or ``(indices, values)``.
 Payload = Union[np.ndarray, tuple[np.ndarray, np.ndarray], float, int]
+
+
+# -- what a Create carries: the kind of table and how to fill it (the server builds it) --------------
+
+
+class DenseSpec(NamedTuple):
+    """A dense table: from ``value``, or from ``init_fn(shape, dtype)``.
+
+    With ``partition_shape``/``partition_offset`` the table is one part of a
+    variable of ``shape``: ``init_fn`` is offered the part's shape and
+    offset, and a result of the full ``shape`` is sliced.
+    """
+
+    value: object = None
+    init_fn: Callable[..., object] | None = None
+    shape: tuple | None = None
+    dtype: str | None = None
+    partition_shape: tuple | None = None
+    partition_offset: tuple | None = None
+
+
+class HashSpec(NamedTuple):
+    """One server's part of an embedding table: part ``part`` of ``parts``."""
+
+    dim: int
+    dtype: str
+    initializer: Callable[..., Any] | None
+    admit_after: int
+    evict_after_steps: int | None
+    capacity: int | None  # this part's share
+    part: int
+    parts: int
+    key_dtype: str = "<i8"
+
+
+# What a hash table's TableCommand asks for, and the counts its stats give.
+KEYS, ROWS, STATS, EVICT = "keys", "rows", "stats", "evict"
+STAT_FIELDS = ("rows", "admitted", "evicted", "dropped", "pending", "steps")
+
+
+class HashRestoreSpec(NamedTuple):
+    """What a part reads to restore: the pieces of each saved tensor (by suffix: ``""`` for the rows)
+    and, per optimizer key, what it saved."""
+
+    pieces: dict[str, list[dict[str, Any]]]
+    slots: dict[str, ckpt_io.SavedSlots | None]
+
+
+# The tensors a hash table saves beside its rows (``<name>`` itself) and its slots.
+KEYS_TENSOR, UPDATED_TENSOR, USED_TENSOR, CLOCKS_TENSOR = "/.KEYS", "/.LAST_UPDATED", "/.LAST_USED", "/.CLOCKS"
+SAVED_TENSORS = ("", KEYS_TENSOR, UPDATED_TENSOR, USED_TENSOR, CLOCKS_TENSOR)
+
+TableSpec = Union[DenseSpec, HashSpec]  # what a Create carries
 
 
 class Create(NamedTuple):
@@ -65,7 +118,7 @@ class ApplyGradients(NamedTuple):
 
     ``times`` > 1: each gradient is the sum of that many steps' gradients
     (pushes a trainer merged under bounded staleness, see
-    :meth:`daskps.ps.pipeline.Pipeline.defer`); counts advance by ``times``.
+    :meth:`daskps.client.pipeline.Pipeline.defer`); counts advance by ``times``.
     """
 
     opt_key: str

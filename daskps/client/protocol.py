@@ -3,14 +3,14 @@
 Everything daskps does to a parameter server (variables, shards, optimizers,
 metrics, checkpoints, datasets, reprs, the dashboard) is a function here.
 Each takes *targets* (anything with ``server``, ``key``, ``name`` and
-``owner``, as the handles of :mod:`daskps.ps.refs`), groups the work by
+``owner``, as the handles of :mod:`daskps.client.refs`), groups the work by
 server, and sends **one message per server, all servers at once**: a list
-of typed operations (:mod:`daskps.ps.ops`) that the server runs in order.
+of typed operations (:mod:`daskps.server.ops`) that the server runs in order.
 
 Routing (where a server is now, holds while one is restored) is
-:mod:`daskps.ps.routing`'s; getting a message there and its answer back is
-:mod:`daskps.ps.transport`'s; pushes held back between steps are
-:mod:`daskps.ps.pipeline`'s. The server of local variables takes the same
+:mod:`daskps.client.routing`'s; getting a message there and its answer back is
+:mod:`daskps.client.transport`'s; pushes held back between steps are
+:mod:`daskps.client.pipeline`'s. The server of local variables takes the same
 path, called directly.
 """
 
@@ -24,11 +24,12 @@ import numpy as np
 
 from daskps._core.ckpt_io import RestoreSpec, Written
 from daskps._core.transforms import Transform
+from daskps.client import pipeline
+from daskps.client.routing import HOLDER, LOCAL, ROUTES, ServerRef
+from daskps.client.transport import CHANNELS, LOCAL_SERVER, Answers, pool_transport, transport_here
 from daskps.errors import PartlyAppliedError
-from daskps.ps import ops, pipeline
-from daskps.ps.routing import HOLDER, LOCAL, ROUTES, ServerRef
-from daskps.ps.tables import TableSpec
-from daskps.ps.transport import CHANNELS, LOCAL_SERVER, Answers, pool_transport, transport_here
+from daskps.server import ops
+from daskps.server.ops import TableSpec
 
 __all__ = [
     "Call", "Target", "acquire", "add_optimizer", "apply_gradients", "call", "create", "flush", "forget_place_async",
@@ -37,11 +38,11 @@ __all__ = [
 ]
 
 Call = tuple[ServerRef, ops.Op]
-Result = object  # what one operation answers: see each operation in daskps.ps.ops
+Result = object  # what one operation answers: see each operation in daskps.server.ops
 
 
 class Owner(Protocol):
-    """What the servers of a call belong to (a :class:`daskps.ps.group.ServerGroup`)."""
+    """What the servers of a call belong to (a :class:`daskps.client.group.ServerGroup`)."""
 
     @property
     def closed(self) -> bool: ...
@@ -53,7 +54,7 @@ class Owner(Protocol):
 
 
 class Target(Protocol):
-    """What an operation is about: a handle (see :class:`daskps.ps.refs.Ref`)."""
+    """What an operation is about: a handle (see :class:`daskps.client.refs.Ref`)."""
 
     server: ServerRef
     key: str

@@ -5,7 +5,7 @@
 adds it at start). It notes where each parameter-server actor lives,
 which scheduled functions of each batch have reported (a batch that runs
 again after its trainer died skips them), each coordinator's counts (per
-strategy and per trainer: :mod:`daskps.ps.quantities`) and each trainer's
+strategy and per trainer: :mod:`daskps.scheduler.quantities`) and each trainer's
 function durations; when a worker leaves it tells every server
 to forget the handles that worker's process held, so a trainer that dies
 holding handles leaks nothing. Code above can also leave a *cleanup* with it:
@@ -20,51 +20,39 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
+from daskps._core import views
 from daskps._core.config import setting
-from daskps.ps import prometheus, protocol
-from daskps.ps.group import parse_server_key
-from daskps.ps.ledger import InputLedger
-from daskps.ps.quantities import TrainerCounts, trainer_counts
-from daskps.ps.routing import ServerRef
-from daskps.ps.timeline import KEEP_STRATEGIES, Timeline
-from daskps.ps.worker_state import WORKER_PLUGIN_NAME
-from daskps.ps.worker_state import register as register_worker_plugin
+from daskps.client import protocol
+from daskps.client.group import parse_server_key
+from daskps.client.routing import ServerRef
+from daskps.client.worker_state import WORKER_PLUGIN_NAME
+from daskps.client.worker_state import register as register_worker_plugin
+from daskps.scheduler import messages
+from daskps.scheduler.ledger import InputLedger
+from daskps.scheduler.messages import (
+    BATCH_TOPIC_PREFIX,
+    CHECKPOINT_TOPIC,
+    CLEANUP_HANDLER,
+    INPUT_HANDLER,
+    LOST,
+    METRICS_TOPIC,
+    PLUGIN_NAME,
+    REPORTED_HANDLER,
+    STATS_HANDLER,
+    TRAINERS_HANDLER,
+    FunctionReport,
+    Reported,
+)
+from daskps.scheduler.quantities import TrainerCounts, trainer_counts
+from daskps.scheduler.timeline import KEEP_STRATEGIES, Timeline
 
 logger = logging.getLogger(__name__)
-
-PLUGIN_NAME = "daskps"
-BATCH_TOPIC_PREFIX = "daskps-batches-"
-REPORTED_HANDLER = "daskps_reported"
-TRAINERS_HANDLER = "daskps_trainers"
-CLEANUP_HANDLER = "daskps_run_cleanup"
-INPUT_HANDLER = "daskps_input_claim"
-STATS_HANDLER = "daskps_coordinator_stats"
-METRICS_TOPIC = "daskps-metrics"  # metric values a ScalarLogger took: {"strategy", "step", "values": {tag: value}}
-CHECKPOINT_TOPIC = "daskps-checkpoints"  # an event per checkpoint written: {"seconds", "bytes", "path"}
-# Logged on a strategy's batch topic when the worker of one of its servers leaves: [LOST, [actor keys]].
-LOST = "daskps-lost-servers"
-
-
-class FunctionReport(NamedTuple):
-    """How one scheduled function ended, as its batch reports it on the coordinator's topic.
-
-    Events carry ``[batch_key, [report, ...], trainer_name]``; Dask's event log turns the
-    records into lists on the way, so receivers rebuild them with
-    ``FunctionReport(*row)``.
-    """
-
-    function: int  # the function's id on its coordinator
-    status: str  # "ok", "big" (its value comes back with the batch's task) or "error"
-    payload: bytes | None  # the pickled value (ok) or error (error)
-    seconds: float  # how long it ran
-    generation: int  # the generation of re-created servers its trainer knew as it started
-
 
 class DaskPSSchedulerPlugin(SchedulerPlugin):
     """The scheduler's view of daskps (see the module docstring)."""
@@ -81,7 +69,7 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
         self.moves: dict[str, tuple] = {}  # actor key of a lost server -> the new server (a ServerRef's fields)
         self.hosts: dict[str, str] = {}  # actor key -> worker address, until the key is forgotten
         self.inputs: dict[str, InputLedger] = {}  # dps.data datasets: who reads which partition or batch
-        # For the Prometheus endpoint (daskps.ps.prometheus): the latest of each.
+        # For the Prometheus endpoint (daskps.ui.prometheus): the latest of each.
         self.server_snapshot: list[dict[str, Any]] = []  # each server's stats() as a row
         self.coordinator_stats: dict[str, dict[str, Any]] = {}  # strategy token -> its coordinator's counts
         self.retired_trainer_counts: dict[str, TrainerCounts] = {}  # of strategies no longer kept
@@ -96,7 +84,8 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
         scheduler.handlers[TRAINERS_HANDLER] = self.count_workers_with
         scheduler.handlers[INPUT_HANDLER] = self.input_claim
         scheduler.handlers[STATS_HANDLER] = self.coordinator_reported
-        prometheus.register(self)  # the scheduler's /metrics (with prometheus_client) shows daskps too
+        for extra in views.SCHEDULER_EXTRAS:  # the scheduler's /metrics (with prometheus_client) shows daskps too
+            extra.start(self)
         self._refresher = asyncio.ensure_future(self._refresh_servers())  # for it and the dashboard's plots
         scheduler.handlers[CLEANUP_HANDLER] = self.run_cleanup
         for key, ts in scheduler.tasks.items():  # servers made before the plugin
@@ -104,7 +93,8 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
                 self.servers[key] = next(iter(ts.who_has)).address
 
     async def close(self) -> None:
-        prometheus.unregister(self)
+        for extra in views.SCHEDULER_EXTRAS:
+            extra.close(self)
         if self._refresher is not None:
             self._refresher.cancel()
 
@@ -118,7 +108,8 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
             if self.scheduler.plugins.get(PLUGIN_NAME) is self:
                 registered = True
             elif registered:
-                prometheus.unregister(self)
+                for extra in views.SCHEDULER_EXTRAS:
+                    extra.close(self)
                 return
             try:
                 if self.servers:
@@ -236,18 +227,18 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
             if ledger.topic == topic and ledger.queues:
                 ledger.reported(safe)
 
-    def batch_reported(self, key: str) -> dict[str, Any]:
-        """Asked by every batch as it starts: ``{"reported": ids, "moves": {old key: new server}}``.
+    def batch_reported(self, key: str) -> Reported:
+        """Asked by every batch as it starts: :class:`~daskps.scheduler.messages.Reported`.
 
         ``reported`` are the functions of batch ``key`` whose results went out
         (a batch that runs again skips them); ``moves`` the servers re-created
         after losses, so a batch submitted before a recovery, or moved to a
         new trainer, reaches the new servers.
         """
-        return {"reported": sorted(self.reported.get(key, ())), "moves": dict(self.moves)}
+        return Reported(sorted(self.reported.get(key, ())), dict(self.moves))
 
     async def run_cleanup(self, server_key: str, cleanup_id: str) -> None:
-        """Run a cleanup (see :func:`add_cleanup`) on every worker now, and forget it: its object was dropped."""
+        """Run a cleanup (see :class:`~daskps.scheduler.messages.AddCleanup`) on every worker now, and forget it: its object was dropped."""
         while server_key in self.replaced:
             server_key = self.replaced[server_key]
         todo = self.cleanups.get(server_key, {}).pop(cleanup_id, None)
@@ -267,6 +258,25 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
         if ledger.exactly_once:
             return ledger.claim_batch(self.scheduler, iterator, name, address, function, n)
         return ledger.claim(self.scheduler, iterator, name, address, want, started or ())
+
+    def answer(self, request: messages.Request) -> None:
+        """A request a client sent with ``client.run_on_scheduler(messages.ask, request)``."""
+        if isinstance(request, messages.AddCleanup):
+            self.cleanups.setdefault(request.server_key, {})[request.cleanup_id] = (request.function, request.args)
+        elif isinstance(request, messages.MoveCleanups):
+            self.replaced[request.old_key] = request.new_key
+            moved = self.cleanups.pop(request.old_key, None)
+            if moved:
+                self.cleanups.setdefault(request.new_key, {}).update(moved)
+        elif isinstance(request, messages.RecordMoves):
+            self.moves.update(request.moves)
+        elif isinstance(request, messages.OpenInput):
+            self.inputs[request.dataset] = InputLedger(request.keys, request.rows, request.trainers, request.resource,
+                                                       **request.options)
+        elif isinstance(request, messages.CloseInput):
+            self.inputs.pop(request.dataset, None)
+        else:
+            raise TypeError(f"the daskps plugin takes a request of daskps.scheduler.messages, got {request!r}")
 
     def server_refs(self) -> list[ServerRef]:
         return [ServerRef(address, key, parse_server_key(key)[0])  # type: ignore[index]
@@ -302,42 +312,6 @@ async def _run_on_workers(scheduler: Any, calls: list[tuple[bytes, bytes]]) -> N
     for function, args in calls:
         running = [a for a, ws in scheduler.workers.items() if ws.status == Status.running]
         await asyncio.gather(*(one(a, function, args) for a in running))
-
-
-def record_moves(moves: dict[str, tuple], dask_scheduler: Any = None) -> None:
-    """Lost servers were re-created and restored (``{old key: new server's fields}``): batches starting
-    from now on follow them (see ``batch_reported``)."""
-    dask_scheduler.plugins[PLUGIN_NAME].moves.update(moves)
-
-
-def add_cleanup(server_key: str, cleanup_id: str, function: bytes, args: bytes, dask_scheduler: Any = None) -> None:
-    """Run the pickled ``function(*args)`` on every worker once the server ``server_key`` is gone.
-
-    Call with ``client.run_on_scheduler``.
-    """
-    plugin = dask_scheduler.plugins[PLUGIN_NAME]
-    plugin.cleanups.setdefault(server_key, {})[cleanup_id] = (function, args)
-
-
-def move_cleanups(old_key: str, new_key: str, dask_scheduler: Any = None) -> None:
-    """Server ``old_key`` was lost and ``new_key`` took its place: its cleanups wait for the new one."""
-    plugin = dask_scheduler.plugins[PLUGIN_NAME]
-    plugin.replaced[old_key] = new_key
-    moved = plugin.cleanups.pop(old_key, None)
-    if moved:
-        plugin.cleanups.setdefault(new_key, {}).update(moved)
-
-
-def open_input(dataset: str, ledger: InputLedger, dask_scheduler: Any = None) -> None:
-    """Keep the ledger of a new ``dps.data`` dataset (with ``client.run_on_scheduler``)."""
-    dask_scheduler.plugins[PLUGIN_NAME].inputs[dataset] = ledger
-
-
-def close_input(dataset: str, dask_scheduler: Any = None) -> None:
-    """Forget a dropped ``dps.data`` dataset's ledger."""
-    plugin = dask_scheduler.plugins.get(PLUGIN_NAME)
-    if plugin is not None:
-        plugin.inputs.pop(dataset, None)
 
 
 def install_plugin(client: Any) -> None:

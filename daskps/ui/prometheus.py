@@ -23,8 +23,9 @@ from typing import Any
 
 import dask.config
 
-from daskps.ps.group import strategy_token
-from daskps.ps.quantities import bytes_held, server_name
+from daskps._core import views
+from daskps.client.group import strategy_token
+from daskps.scheduler.quantities import bytes_held, server_name
 
 # (name after the prefix, kind, labels besides "scheduler", help)
 METRICS = [
@@ -129,3 +130,16 @@ def unregister(plugin: Any) -> None:
     """``plugin``'s scheduler is closing: its numbers leave ``/metrics``."""
     if _COLLECTOR:
         _COLLECTOR[0].plugins.discard(plugin)
+
+
+class _OnScheduler(views.SchedulerExtra):
+    """Registered in :data:`daskps._core.views.SCHEDULER_EXTRAS`: the plugin's numbers join and leave ``/metrics``."""
+
+    def start(self, plugin: Any) -> None:
+        register(plugin)
+
+    def close(self, plugin: Any) -> None:
+        unregister(plugin)
+
+
+views.SCHEDULER_EXTRAS.append(_OnScheduler())

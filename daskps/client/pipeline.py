@@ -1,8 +1,8 @@
 """Pushes held back until the next message to their server: one step's push rides with the next step's reads.
 
 Inside a batch of scheduled functions on a trainer (see
-:mod:`daskps.coordinator.batches`), updates and gradient pushes do not wait
-for a reply of their own: :mod:`daskps.ps.protocol` queues them per server
+:mod:`daskps.trainer.batches`), updates and gradient pushes do not wait
+for a reply of their own: :mod:`daskps.client.protocol` queues them per server
 and sends them at the front of the next message to that server (usually the
 next step's reads), or when the batch flushes. A server runs a message's
 operations in order, so a read still sees every earlier push of this
@@ -40,7 +40,7 @@ import numpy as np
 from daskps._core.bags import BagGrad
 from daskps._core.updates import Refused
 from daskps.errors import PartlyAppliedError
-from daskps.ps import ops
+from daskps.server import ops
 
 _CURRENT: contextvars.ContextVar[Pipeline | None] = contextvars.ContextVar("daskps_pipeline", default=None)
 

@@ -10,8 +10,8 @@ import collections
 import threading
 from typing import Any
 
-from daskps.ps import ops
-from daskps.ps.server import ParameterServer
+from daskps.server import ops
+from daskps.server.parameter_server import ParameterServer
 
 
 class LocalTransport:

@@ -1,7 +1,7 @@
 """A table keyed by any int64: one server's part of an :class:`daskps.EmbeddingTable`.
 
 Rows live in one growing numpy array (the *arena*), found through a
-:class:`daskps.ps.hashing.KeyIndex`; each optimizer's slots are arrays of
+:class:`daskps._core.hashing.KeyIndex`; each optimizer's slots are arrays of
 the arena's shape, so the dense optimizers' row-local update runs unchanged
 on the rows a gradient names. A freed row's place is reused, its slots
 reset as the optimizer's ``init`` makes them.
@@ -36,7 +36,7 @@ reference written from this text):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple, cast
 
 import numpy as np
@@ -44,16 +44,25 @@ from fsspec import AbstractFileSystem
 
 from daskps._core import bags, ckpt_io, transforms
 from daskps._core.arrays import call_initializer
+from daskps._core.hashing import KeyIndex, mix, server_of
 from daskps._core.transforms import Transform
-from daskps._core.updates import integer_array
-from daskps.ps.hashing import KeyIndex, mix, server_of
-from daskps.ps.tables import Staged, Table
+from daskps._core.updates import check_keys
+from daskps.server.ops import (
+    CLOCKS_TENSOR,
+    EVICT,
+    KEYS,
+    KEYS_TENSOR,
+    ROWS,
+    STAT_FIELDS,
+    STATS,
+    UPDATED_TENSOR,
+    USED_TENSOR,
+    HashSpec,
+)
+from daskps.server.tables import Staged, Table
 
-# Reads that are not lookups: what ``read`` answers for these names.
-KEYS, ROWS, STATS, EVICT = "keys", "rows", "stats", "evict"
 _RECENT = 4  # lookups whose rows a part keeps for the gradients that follow
 _NEVER = np.iinfo(np.int64).max  # the use clock of an arena row that holds no key: never the least recent
-STAT_FIELDS = ("rows", "admitted", "evicted", "dropped", "pending", "steps")
 
 
 def _kth_smallest(a: np.ndarray, k: int, chunk: int = 1 << 16) -> Any:
@@ -67,31 +76,6 @@ def _kth_smallest(a: np.ndarray, k: int, chunk: int = 1 << 16) -> Any:
         part = np.concatenate([best, a[start:start + chunk]])
         best = np.partition(part, k - 1)[:k] if len(part) > k else part
     return np.partition(best, k - 1)[k - 1]
-
-
-class HashSpec(NamedTuple):
-    """One server's part of an embedding table: part ``part`` of ``parts``."""
-
-    dim: int
-    dtype: str
-    initializer: Callable[..., Any] | None
-    admit_after: int
-    evict_after_steps: int | None
-    capacity: int | None  # this part's share
-    part: int
-    parts: int
-    key_dtype: str = "<i8"
-
-    def build(self, name: str) -> tuple[Table, bool]:
-        return HashTable(name, self), False
-
-
-def check_keys(keys: Any, name: str, arg: str, one_d: bool) -> np.ndarray:
-    """``keys`` as int64; refuse anything but integers that fit."""
-    k = integer_array(keys, f"embedding table {name!r}", arg, one_d)
-    if k.dtype == np.uint64 and k.size and k.max() > np.iinfo(np.int64).max:
-        raise ValueError(f"{arg} for embedding table {name!r} must fit in int64, got {k.max()}")
-    return k.astype(np.int64, copy=False)
 
 
 class HashTable(Table):
@@ -146,7 +130,7 @@ class HashTable(Table):
         return out
 
     def command(self, what: str) -> np.ndarray:
-        """A :class:`~daskps.ps.ops.TableCommand`: the keys or rows held (by key), the counts, or an eviction."""
+        """A :class:`~daskps.server.ops.TableCommand`: the keys or rows held (by key), the counts, or an eviction."""
         if what in (KEYS, ROWS):
             live = np.flatnonzero(self._live)
             order = live[np.argsort(self._key[live], kind="stable")]  # by key: the same on every call
@@ -456,16 +440,3 @@ class _Restored(NamedTuple):
     used: np.ndarray
     steps: int
     clock: int
-
-
-class HashRestoreSpec(NamedTuple):
-    """What a part reads to restore: the pieces of each saved tensor (by suffix: ``""`` for the rows)
-    and, per optimizer key, what it saved."""
-
-    pieces: dict[str, list[dict[str, Any]]]
-    slots: dict[str, ckpt_io.SavedSlots | None]
-
-
-# The tensors a hash table saves beside its rows (``<name>`` itself) and its slots.
-KEYS_TENSOR, UPDATED_TENSOR, USED_TENSOR, CLOCKS_TENSOR = "/.KEYS", "/.LAST_UPDATED", "/.LAST_USED", "/.CLOCKS"
-SAVED_TENSORS = ("", KEYS_TENSOR, UPDATED_TENSOR, USED_TENSOR, CLOCKS_TENSOR)

@@ -17,9 +17,10 @@ import uuid
 import weakref
 from typing import Any
 
+from daskps.client.routing import ROUTES, ServerRef
+from daskps.client.transport import CHANNELS
 from daskps.errors import ClosedError, PSUnavailableError
-from daskps.ps.routing import ROUTES, ServerRef
-from daskps.ps.transport import CHANNELS, DaskParameterServer
+from daskps.server.actor import DaskParameterServer
 
 SERVER_KEY_PREFIX = "daskps-ps-"
 _KEY = re.compile(rf"{SERVER_KEY_PREFIX}(\d+)-([0-9a-f]+)(?:-g(\d+))?$")

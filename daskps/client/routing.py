@@ -9,8 +9,8 @@
 - It words the error for a server that is gone, naming the variables this
   process held there.
 
-The transport (:mod:`daskps.ps.transport`) reports losses here; the
-operations (:mod:`daskps.ps.protocol`) route every call through here.
+The transport (:mod:`daskps.client.transport`) reports losses here; the
+operations (:mod:`daskps.client.protocol`) route every call through here.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class ServerRef(NamedTuple):
     """Where one parameter server lives: worker address, actor key, task index, channel.
 
     A tuple: it is a dictionary key on every call, and travels with every handle.
-    ``channel`` is the ``host:port`` of its direct channel (:mod:`daskps.ps.channel`), if any.
+    ``channel`` is the ``host:port`` of its direct channel (:mod:`daskps.client.channel`), if any.
     """
 
     address: str
@@ -89,7 +89,7 @@ class Routes:
     """This process's handles by server, the servers gone or moved, and the servers on hold."""
 
     def __init__(self) -> None:
-        # Every live handle by (server, key): at most one each (see daskps.ps.refs).
+        # Every live handle by (server, key): at most one each (see daskps.client.refs).
         self.handles: weakref.WeakValueDictionary[tuple[ServerRef, str], Any] = weakref.WeakValueDictionary()
         self.gone: set[str] = set()  # actor keys of servers found unreachable or gone
         # Old actor key -> the server that replaced it (see daskps.coordinator.recovery).

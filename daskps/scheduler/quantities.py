@@ -1,8 +1,8 @@
 """Every number daskps shows about servers and trainers, computed in one place (on the scheduler).
 
 The dashboard's table page (:mod:`daskps.ui.dashboard`), its plots (through
-:class:`daskps.ps.timeline.Timeline`) and ``/metrics``
-(:mod:`daskps.ps.prometheus`) read the scheduler plugin's latest figures
+:class:`daskps.scheduler.timeline.Timeline`) and ``/metrics``
+(:mod:`daskps.ui.prometheus`) read the scheduler plugin's latest figures
 through these functions, so a quantity has one definition and one name
 everywhere:
 

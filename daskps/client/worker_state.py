@@ -1,8 +1,8 @@
 """What daskps keeps per Dask worker, held by a Dask ``WorkerPlugin``.
 
 A worker process keeps a few things of daskps' for as long as it runs: its
-transport to the parameter servers (:mod:`daskps.ps.transport`) and its
-trainers' datasets (:mod:`daskps.coordinator.datasets`). They live in one
+transport to the parameter servers (:mod:`daskps.client.transport`) and its
+trainers' datasets (:mod:`daskps.trainer.datasets`). They live in one
 :class:`DaskPSWorkerPlugin`, registered on every worker of the cluster when
 a strategy connects (``client.register_plugin``, idempotent, so that
 workers that join later get it too), and closed with the worker

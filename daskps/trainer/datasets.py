@@ -33,13 +33,13 @@ from distributed.utils import sync
 from distributed.worker import get_worker
 
 from daskps._core.pickling import dumps_or_explain
+from daskps.client import protocol, refs
+from daskps.client.routing import ServerRef
+from daskps.client.worker_state import existing_part, part_on
 from daskps.distribute.context import DATASET_CONTEXT
 from daskps.distribute.values import InputContext
 from daskps.errors import NotScheduledError, OutOfRangeError
-from daskps.ps import protocol, refs
-from daskps.ps.plugin import add_cleanup
-from daskps.ps.routing import ServerRef
-from daskps.ps.worker_state import existing_part, part_on
+from daskps.scheduler.messages import AddCleanup, ask
 
 __all__ = ["PerWorkerDataset", "PerWorkerIterator", "PerWorkerValues"]
 
@@ -184,8 +184,8 @@ class PerWorkerDataset:
         self._lock = threading.Lock()
         strategy.on_close(self._release)
         # If the coordinator goes without dropping it, the scheduler has the trainers forget it.
-        strategy.client.run_on_scheduler(add_cleanup, server.actor_key, dataset_id, dumps(_forget_on_worker),
-                                         dumps((dataset_id,)))
+        strategy.client.run_on_scheduler(ask, AddCleanup(server.actor_key, dataset_id, dumps(_forget_on_worker),
+                                                         dumps((dataset_id,))))
         self._forget = weakref.finalize(self, _forget_later, strategy.client, dataset_id, server.actor_key)
 
     def __iter__(self) -> PerWorkerIterator:

@@ -1,9 +1,10 @@
 """Runs a batch of scheduled functions on a trainer, reporting each as it finishes.
 
 The coordinator packs several scheduled functions into one Dask task (see
-:mod:`daskps.coordinator.coordinator`). On the trainer, :func:`run_batch`
+:mod:`daskps.coordinator.coordinator`). On the trainer, :func:`run_batch_here` (the task's entry point is
+:func:`daskps.trainer.messages.run_batch`)
 runs them in schedule order and, as they finish, logs events
-``[batch_key, [FunctionReport, ...], trainer_name]`` (:class:`daskps.ps.plugin.FunctionReport`) to the coordinator's
+``[batch_key, [FunctionReport, ...], trainer_name]`` (:class:`daskps.scheduler.messages.FunctionReport`) to the coordinator's
 topic (``generation``: of the re-created servers the trainer knew as the function started):
 the result (pickled, when small) or the error reaches the coordinator at
 once, through the scheduler. The scheduler plugin notes which functions of a
@@ -12,7 +13,7 @@ elsewhere, the new run asks for that list first and skips them, so a
 function whose result reached the coordinator never runs again. Results too
 big for an event travel as the task's own result instead.
 
-Updates and gradient pushes are pipelined (:mod:`daskps.ps.pipeline`): a
+Updates and gradient pushes are pipelined (:mod:`daskps.client.pipeline`): a
 step's push rides at the front of the next step's reads, and a function is
 reported only once its pushes have been applied. A batch stops at the first
 error (the coordinator cancels what is left when it raises it) and when its
@@ -38,15 +39,14 @@ from distributed.worker import get_worker
 from daskps._core.config import setting
 from daskps._core.nest import map_structure
 from daskps._core.pickling import FunctionCache
-from daskps.coordinator.datasets import PerWorkerValues, local_worker_index, running_function
+from daskps.client import pipeline, protocol, refs
+from daskps.client.group import generation_known
+from daskps.client.routing import ROUTES, ServerRef
 from daskps.distribute.context import scheduled_function
 from daskps.errors import OutOfRangeError
-from daskps.ps import pipeline, protocol, refs
-from daskps.ps.group import generation_known
-from daskps.ps.plugin import REPORTED_HANDLER, FunctionReport
-from daskps.ps.routing import ROUTES, ServerRef
+from daskps.scheduler.messages import BIG, ERROR, OK, REPORTED_HANDLER, FunctionReport, Reported
+from daskps.trainer.datasets import PerWorkerValues, local_worker_index, running_function
 
-OK, BIG, ERROR = "ok", "big", "error"
 _LEAVING = frozenset({Status.closing_gracefully, Status.closing, Status.closed, Status.failed})
 # Functions finishing this close together are reported in one event.
 REPORT_EVERY = 0.02
@@ -54,24 +54,24 @@ REPORT_EVERY = 0.02
 INLINE_BYTES = 64 << 10
 
 
-def run_batch(strategy_blob: bytes, topic: str, batch_key: str, batch: bytes) -> dict[int, Any]:
+def run_batch_here(strategy_blob: bytes, topic: str, batch_key: str, batch: bytes) -> dict[int, Any]:
     """Run the pickled ``[(function id, (pickled fn, pickled (args, kwargs)), staleness), ...]`` in order;
     return big results.
 
-    Pushes are pipelined (:mod:`daskps.ps.pipeline`): a function is reported
+    Pushes are pipelined (:mod:`daskps.client.pipeline`): a function is reported
     once its pushes have been applied, in schedule order. The scheduler's
     plugin also says which parameter servers were re-created after a loss:
     handles here follow them.
     """
     worker = get_worker()
-    answer = sync(worker.loop, getattr(worker.scheduler, REPORTED_HANDLER), key=batch_key)
-    if answer["moves"]:
-        refs.follow({old: ServerRef(*new) for old, new in answer["moves"].items()})
+    answer = Reported(*sync(worker.loop, getattr(worker.scheduler, REPORTED_HANDLER), key=batch_key))
+    if answer.moves:
+        refs.follow({old: ServerRef(*new) for old, new in answer.moves.items()})
     strategy = pickle.loads(strategy_blob)
     if ROUTES.moved:  # a view of the strategy made before a server moved
         strategy.follow_moved_servers()
     closures = pickle.loads(batch)
-    reported = set(answer["reported"])
+    reported = set(answer.reported)
     big: dict[int, Any] = {}
     with pipeline.pipelined() as pipe, scheduled_function(), strategy.scope():
         reporter = _Reporter(worker, topic, batch_key, pipe)
@@ -258,20 +258,3 @@ def _pickled_error(exc: BaseException) -> bytes:
     except Exception:
         blob = dumps(RuntimeError(text))
     return dumps((blob, where, text))
-
-
-def load_error(payload: bytes) -> BaseException:
-    """The exception a function raised on a worker, with the worker's traceback as a note.
-
-    One that cannot be rebuilt here (its class unpickles only on the
-    workers, say) arrives as a ``RuntimeError`` with its text.
-    """
-    blob, where, text = pickle.loads(payload)
-    try:
-        exc = pickle.loads(blob)
-    except Exception as why:
-        exc = RuntimeError(text)
-        where = f"{where}(it cannot be rebuilt here: {type(why).__name__}: {why})\n"
-    if hasattr(exc, "add_note"):  # Python 3.11+
-        exc.add_note(f"raised in a scheduled function on a worker:\n{where}")
-    return exc

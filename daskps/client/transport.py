@@ -1,7 +1,8 @@
 """How a message reaches a parameter server: Dask's comms, the direct channel, or a direct call.
 
-- :class:`DaskParameterServer` is the actor Dask hosts; on a worker that
-  talks plain TCP it also listens on a direct channel (:mod:`daskps.ps.channel`).
+- the actor Dask hosts is :class:`daskps.server.actor.DaskParameterServer`;
+  on a worker that talks plain TCP it also listens on a direct channel
+  (:mod:`daskps.server.serving`; the caller's end is :mod:`daskps.client.channel`).
 - :class:`DaskTransport` sends messages over one process's Dask connection
   pool, as Dask's own ``actor_execute``: from a trainer inside a scheduled
   function (worker to worker), the coordinator (without the scheduler's
@@ -12,76 +13,33 @@
 - :data:`LOCAL_SERVER` is the server of local variables, called directly.
 
 Every failure to reach a server becomes a :class:`PSUnavailableError` worded
-by :data:`daskps.ps.routing.ROUTES`. The operations themselves are built in
-:mod:`daskps.ps.protocol`.
+by :data:`daskps.client.routing.ROUTES`. The operations themselves are built in
+:mod:`daskps.client.protocol`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import queue
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from distributed import default_client
-from distributed.core import Status, send_recv
-from distributed.protocol.serialize import Serialized, deserialize
+from distributed.core import send_recv
 from distributed.utils import sync
 from distributed.worker import get_worker
 
-from daskps._core import wire
+from daskps.client import channel
+from daskps.client.routing import ROUTES, ServerRef, connect_timeout
+from daskps.client.worker_state import part_on
 from daskps.errors import ClosedError, PSUnavailableError
-from daskps.ps import channel, ops
-from daskps.ps.local import LocalTransport
-from daskps.ps.routing import ROUTES, ServerRef, connect_timeout
-from daskps.ps.server import ParameterServer
-from daskps.ps.worker_state import part_on
+from daskps.server import ops
+from daskps.server.actor import answer_of, serialized
+from daskps.server.local import LocalTransport
 
 Message = Sequence[ops.Op]
 Answers = dict[ServerRef, Any]  # each server's results (a list) or the exception it raised
-
-
-def serialized(obj: Any, by_value: bool = False) -> Serialized:
-    """``obj`` ready for Dask's comms: our wire format is Dask's "pickle" layout, so Dask only frames it."""
-    frames = wire.pack(obj, by_value)
-    return Serialized({"serializer": "pickle", "writeable": (True,) * (len(frames) - 1)}, frames)
-
-
-def _result(value: Any) -> Any:
-    return deserialize(value.header, value.frames) if isinstance(value, Serialized) else value
-
-
-class DaskParameterServer(ParameterServer):
-    """The actor Dask hosts: a ParameterServer whose answers are ready for Dask's comms.
-
-    On a worker that talks plain TCP it also opens a direct channel (``.channel``).
-    """
-
-    channel: str | None = None  # (on the class too: Dask's actor handles look there first)
-
-    def __init__(self, task_id: int | None):
-        super().__init__(task_id)
-        worker = get_worker()
-        scheme, _, rest = worker.address.partition("://")
-        if scheme == "tcp":
-            host = rest.rsplit(":", 1)[0].strip("[]")
-            self.channel, close = channel.open_channel(self, host, worker.loop.asyncio_loop,  # type: ignore[attr-defined]
-                                                       functools.partial(_worker_open, weakref.ref(worker)))
-            weakref.finalize(self, close)
-
-    def handle(self, message: Message) -> Serialized:
-        return serialized(self.execute(message))
-
-
-def _worker_open(worker: weakref.ref) -> bool:
-    """Whether the worker has not begun to close (a server on a closed worker must not answer)."""
-    w = worker()
-    return w is not None and w.status not in _CLOSED
-
-
-_CLOSED = frozenset({Status.closing, Status.closed, Status.failed})
 
 
 def check_client(client: Any) -> None:
@@ -183,8 +141,8 @@ class DaskTransport:
                                                  "the strategy's servers were released") from exc
             raise
         if response["status"] == "OK":
-            return _result(response["result"])
-        raise _result(response["exception"])
+            return answer_of(response["result"])
+        raise answer_of(response["exception"])
 
     def release_later(self, server: ServerRef, key: str, holder: str) -> None:
         """Queue one release of ``key``; a callback on the loop sends the queue (one message per server)."""

@@ -1,11 +1,11 @@
 """What a parameter server keeps under a variable's key: a table, behind one interface.
 
-The server (:mod:`daskps.ps.server`) knows tables only through
+The server (:mod:`daskps.server.parameter_server`) knows tables only through
 :class:`Table`: reading, checking and applying updates and gradients,
 optimizer slots, checkpoint pieces, sizes. Today there is one kind,
 :class:`DenseTable` (a numpy array: a variable or one shard of it). Another
 kind of table is one class here with its :class:`TableSpec` (what a
-:class:`daskps.ps.ops.Create` carries to make it), plus its handle on the
+:class:`daskps.server.ops.Create` carries to make it), plus its handle on the
 client; the server, the protocol, checkpoints, recovery and reprs reach it
 through the same seams.
 
@@ -17,8 +17,8 @@ message before it applies any, so a refused message leaves it as it was.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 from fsspec import AbstractFileSystem
@@ -27,6 +27,7 @@ from daskps._core import bags, ckpt_io, transforms
 from daskps._core.arrays import build_part, materialize
 from daskps._core.transforms import Transform
 from daskps._core.updates import apply_update, check_gradient_of_kind, check_update
+from daskps.server.ops import DenseSpec
 
 
 class Staged(NamedTuple):
@@ -91,7 +92,7 @@ class Table(abc.ABC):
         return {}
 
     def command(self, what: str) -> np.ndarray:
-        """A :class:`~daskps.ps.ops.TableCommand`'s answer; a dense table takes none."""
+        """A :class:`~daskps.server.ops.TableCommand`'s answer; a dense table takes none."""
         raise ValueError(f"{self.name!r} is a dense variable: it takes no command {what!r}")
 
     def slot_nbytes(self) -> int:
@@ -112,38 +113,6 @@ class Table(abc.ABC):
         """Put a staged restore in place (``optimizers``: transform by optimizer key)."""
 
 
-class TableSpec(Protocol):
-    """What a ``Create`` carries: enough to build one table on its server."""
-
-    def build(self, name: str) -> tuple[Table, bool]:
-        """The new table, and whether its initializer built more than this part (see ``DenseSpec``)."""
-        ...
-
-
-class DenseSpec(NamedTuple):
-    """A dense table: from ``value``, or from ``init_fn(shape, dtype)``.
-
-    With ``partition_shape``/``partition_offset`` the table is one part of a
-    variable of ``shape``: ``init_fn`` is offered the part's shape and
-    offset, and a result of the full ``shape`` is sliced.
-    """
-
-    value: object = None
-    init_fn: Callable[..., object] | None = None
-    shape: tuple | None = None
-    dtype: str | None = None
-    partition_shape: tuple | None = None
-    partition_offset: tuple | None = None
-
-    def build(self, name: str) -> tuple[Table, bool]:
-        np_dtype = None if self.dtype is None else np.dtype(self.dtype)
-        value, sliced = build_part(self.value, self.init_fn, self.shape, np_dtype, self.partition_shape,
-                                   self.partition_offset)
-        part = self.partition_shape if self.partition_shape is not None else self.shape
-        fresh = self.init_fn is not None and not sliced
-        return DenseTable(name, materialize(value, np_dtype, None if part is None else tuple(part), name, fresh)), sliced
-
-
 def _take(array: np.ndarray, index: Any) -> np.ndarray:
     """``array[index]`` as a new array (rows by number without copying twice)."""
     if isinstance(index, np.ndarray) and index.dtype.kind in "iu" and index.ndim == 1:
@@ -154,11 +123,21 @@ def _take(array: np.ndarray, index: Any) -> np.ndarray:
 class DenseTable(Table):
     """A numpy array, updated in place.
 
-    >>> t, _ = DenseSpec([1.0, 2.0], dtype="float32").build("w")
+    >>> t, _ = DenseTable.build(DenseSpec([1.0, 2.0], dtype="float32"), "w")
     >>> t.apply_update("add", t.check_update("add", np.ones(2, "float32")))
     >>> t.read(None, shared=False), t.read(np.array([1]), shared=False)
     (array([2., 3.], dtype=float32), array([3.], dtype=float32))
     """
+
+    @classmethod
+    def build(cls, spec: DenseSpec, name: str) -> tuple[DenseTable, bool]:
+        """The table a ``Create`` with ``spec`` makes, and whether its initializer built more than this part."""
+        np_dtype = None if spec.dtype is None else np.dtype(spec.dtype)
+        value, sliced = build_part(spec.value, spec.init_fn, spec.shape, np_dtype, spec.partition_shape,
+                                   spec.partition_offset)
+        part = spec.partition_shape if spec.partition_shape is not None else spec.shape
+        fresh = spec.init_fn is not None and not sliced
+        return cls(name, materialize(value, np_dtype, None if part is None else tuple(part), name, fresh)), sliced
 
     def __init__(self, name: str, value: np.ndarray):
         self.name = name
