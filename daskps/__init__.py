@@ -35,7 +35,8 @@ from daskps.distribute.context import (
 from daskps.distribute.strategy import ParameterServerStrategy
 from daskps.distribute.values import InputContext, InputOptions, ReduceOp, RunOptions, ValueContext
 from daskps.trainer.datasets import PerWorkerDataset, PerWorkerIterator, PerWorkerValues
-from daskps.training.checkpoint import Checkpoint, CheckpointManager
+from daskps.training.checkpoint import Checkpoint
+from daskps.training.checkpoint_manager import CheckpointManager
 from daskps.training.sidecar import SidecarEvaluator
 from daskps.ui.training_progress import progress
 from daskps.variables.bags import Bags, PooledSlices, embedding_lookup_sparse

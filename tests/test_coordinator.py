@@ -62,7 +62,7 @@ def _durations_seen(dask_scheduler=None, forget=False):
     what a test added cannot be told by position)."""
     from daskps.scheduler.messages import PLUGIN_NAME
 
-    durations = dask_scheduler.plugins[PLUGIN_NAME].timeline.durations
+    durations = dask_scheduler.plugins[PLUGIN_NAME].telemetry.timeline.durations
     if forget:
         durations.clear()
     return {t: list(d) for t, d in durations.items()}
@@ -286,7 +286,7 @@ def test_first_error_wins(coordinator, client):
     assert forgotten < reported_at, "the late function reported before its batch was cancelled"
 
     def kept(dask_scheduler):  # a cancelled batch never runs again: its late report is not kept
-        return late_batch in dask_scheduler.plugins["daskps"].reported
+        return late_batch in dask_scheduler.plugins["daskps"].reports.reported
 
     assert not client.run_on_scheduler(kept)
     # its report goes to the coordinator before this one's (one stream, in order): then it has been seen

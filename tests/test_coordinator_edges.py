@@ -271,7 +271,7 @@ def _completed_on(name, dask_scheduler=None):
     durations: a big result's report counts there, though its coordinator settles it with the batch)."""
     from daskps.scheduler.messages import PLUGIN_NAME
 
-    return len(dask_scheduler.plugins[PLUGIN_NAME].timeline.durations.get(name, ()))
+    return len(dask_scheduler.plugins[PLUGIN_NAME].telemetry.timeline.durations.get(name, ()))
 
 
 def test_a_big_result_survives_its_trainer_dying_later_in_the_batch(fresh_cluster):

@@ -240,19 +240,19 @@ def test_axes_read_as_plain_numbers_and_bytes_in_binary_steps():
 def test_a_closed_strategys_functions_stay_in_its_trainers_totals():
     """Per-trainer counts are counters: a strategy whose servers are gone (or the 65th) leaves its
     per-strategy series, but what its functions did on each trainer stays counted there."""
-    from daskps.scheduler.plugin import DaskPSSchedulerPlugin
+    from daskps.scheduler.reports import Reports
     from daskps.scheduler.timeline import KEEP_STRATEGIES
 
-    plugin = DaskPSSchedulerPlugin()
-    plugin.coordinator_reported("a", {"done": 5, "trainers": {"worker-0": {"done": 3, "failed": 1},
+    reports = Reports()
+    reports.coordinator_reported("a", {"done": 5, "trainers": {"worker-0": {"done": 3, "failed": 1},
                                                              "worker-1": {"done": 2, "rerun": 2}}})
-    plugin.coordinator_reported("b", {"done": 4, "trainers": {"worker-0": {"done": 4}}})
-    assert plugin.trainer_counts() == {"worker-0": TrainerCounts(7, 1, 0), "worker-1": TrainerCounts(2, 0, 2)}
-    plugin._retire("a")
-    assert set(plugin.coordinator_stats) == {"b"}
-    assert plugin.trainer_counts() == {"worker-0": TrainerCounts(7, 1, 0), "worker-1": TrainerCounts(2, 0, 2)}
+    reports.coordinator_reported("b", {"done": 4, "trainers": {"worker-0": {"done": 4}}})
+    assert reports.trainer_counts() == {"worker-0": TrainerCounts(7, 1, 0), "worker-1": TrainerCounts(2, 0, 2)}
+    reports.retire("a")
+    assert set(reports.coordinator_stats) == {"b"}
+    assert reports.trainer_counts() == {"worker-0": TrainerCounts(7, 1, 0), "worker-1": TrainerCounts(2, 0, 2)}
     for i in range(KEEP_STRATEGIES):  # "b" is pushed out by 64 newer strategies
-        plugin.coordinator_reported(f"n{i}", {"done": 1, "trainers": {"worker-1": {"done": 1}}})
-    assert "b" not in plugin.coordinator_stats
-    assert plugin.trainer_counts() == {"worker-0": TrainerCounts(7, 1, 0),
+        reports.coordinator_reported(f"n{i}", {"done": 1, "trainers": {"worker-1": {"done": 1}}})
+    assert "b" not in reports.coordinator_stats
+    assert reports.trainer_counts() == {"worker-0": TrainerCounts(7, 1, 0),
                                        "worker-1": TrainerCounts(2 + KEEP_STRATEGIES, 0, 2)}

@@ -226,7 +226,7 @@ def test_a_dropped_dataset_frees_its_partitions(client, coordinator):
     name = ds._keep.name
 
     def ledger(dask_scheduler):
-        return name in dask_scheduler.plugins["daskps"].inputs
+        return name in dask_scheduler.plugins["daskps"].inputs.ledgers
 
     assert client.run_on_scheduler(ledger)
     del ds, it
@@ -400,7 +400,7 @@ def test_exactly_once_without_failures_hands_every_row_out_once_per_epoch(coordi
     name = kept[0]._keep.name  # this dataset's ledger (the shuffled case's other two may be there too)
 
     def remembered(dask_scheduler):  # batches the scheduler keeps for functions that might run again
-        ledger = dask_scheduler.plugins["daskps"].inputs.get(name)
+        ledger = dask_scheduler.plugins["daskps"].inputs.ledgers.get(name)
         return None if ledger is None else (len(ledger.queues), sum(len(q.given) for q in ledger.queues.values()))
 
     found = coordinator.strategy.client.run_on_scheduler(remembered)
@@ -420,12 +420,12 @@ def test_exactly_once_with_drop_remainder_hands_out_only_full_batches(coordinato
 
 
 def _ledgers(dask_scheduler):
-    return list(dask_scheduler.plugins["daskps"].inputs)
+    return list(dask_scheduler.plugins["daskps"].inputs.ledgers)
 
 
 def _ledger_ahead(name, dask_scheduler):
     """The partitions the streaming ledger ``name`` handed each trainer that it has not said it started."""
-    ledger = dask_scheduler.plugins["daskps"].inputs[name]
+    ledger = dask_scheduler.plugins["daskps"].inputs.ledgers[name]
     return {it: {trainer: sorted(parts) for trainer, parts in st.ahead.items()} for it, st in ledger.streams.items()}
 
 

@@ -144,7 +144,7 @@ def test_a_plugin_removed_by_hand_stops_refreshing_and_leaves_metrics():
         plugin = cluster.scheduler.plugins["daskps"]
 
         def last_tick():
-            return plugin.timeline.ticks[-1].time if plugin.timeline.ticks else 0.0
+            return plugin.telemetry.timeline.ticks[-1].time if plugin.telemetry.timeline.ticks else 0.0
 
         deadline = time.monotonic() + 20
         while last_tick() == 0.0 and time.monotonic() < deadline:
@@ -174,9 +174,9 @@ def test_a_checkpoint_is_counted_by_the_scheduler_of_its_variables_not_the_defau
         def saves(cluster):
             plugin = cluster.scheduler.plugins["daskps"]
             deadline = time.monotonic() + 10
-            while plugin.checkpoint_saves["count"] == 0 and time.monotonic() < deadline:
+            while plugin.telemetry.checkpoint_saves["count"] == 0 and time.monotonic() < deadline:
                 time.sleep(0.05)
-            return plugin.checkpoint_saves["count"]
+            return plugin.telemetry.checkpoint_saves["count"]
 
         assert saves(ours) == 1
         assert saves(other) == 0

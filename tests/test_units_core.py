@@ -42,7 +42,7 @@ def test_rmsprop_centered_with_momentum_is_keras_rule():
         inc = lr * g / np.sqrt(v - a * a + eps)
         m = mom * m + inc
         p = p - m
-    got, state = _run(T.RMSpropTransform(lr, rho=rho, momentum=mom, epsilon=eps, centered=True))
+    got, state = _run(T.Chain(T.RMSpropStep(rho=rho, momentum=mom, epsilon=eps, centered=True), lr))
     np.testing.assert_allclose(got, p, rtol=1e-12)
     np.testing.assert_allclose(state.average_gradient, a, rtol=1e-12)
     assert state.count == 4
@@ -55,7 +55,7 @@ def test_lion_keeps_its_momentum_with_beta_2():
     for g in grads:
         p = p - lr * np.sign(m * b1 + g * (1 - b1))
         m = m * b2 + g * (1 - b2)
-    got, state = _run(T.LionTransform(lr, b1, b2), grads, np.array([0.0]))
+    got, state = _run(T.Chain(T.LionStep(b1, b2), lr), grads, np.array([0.0]))
     np.testing.assert_allclose(got, p, rtol=1e-12)
     np.testing.assert_allclose(state.m, m, rtol=1e-12)
     assert got[0] == pytest.approx(-0.1)  # +0.1 - 0.1 - 0.1 with m * beta_2; -0.3 would be m / beta_2
@@ -67,16 +67,16 @@ def test_adagrad_with_a_schedule_uses_the_rate_at_each_count():
     for k, g in enumerate(GRADS):
         acc = acc + g * g
         p = p - (0.5 / (1 + k)) * g / np.sqrt(acc + 1e-7)
-    got, state = _run(T.AdagradTransform(sched))
+    got, state = _run(T.Chain(T.AdagradStep(), sched))
     np.testing.assert_allclose(got, p, rtol=1e-12)
     assert state.count == 4
 
 
 @pytest.mark.parametrize(
     "transform",
-    [T.SGDTransform(0.1), T.SGDTransform(0.1, momentum=0.5), T.AdagradTransform(0.1), T.AdamTransform(0.1),
-     T.RMSpropTransform(0.1), T.FtrlTransform(0.1), T.AdamaxTransform(0.1), T.NadamTransform(0.1),
-     T.LionTransform(0.1)],
+    [T.Chain(T.SGDStep(), 0.1), T.Chain(T.SGDStep(momentum=0.5), 0.1), T.Chain(T.AdagradStep(), 0.1), T.Chain(T.AdamStep(), 0.1),
+     T.Chain(T.RMSpropStep(), 0.1), T.Chain(T.FtrlStep(), 0.1), T.Chain(T.AdamaxStep(), 0.1), T.Chain(T.NadamStep(), 0.1),
+     T.Chain(T.LionStep(), 0.1)],
     ids=lambda t: type(t).__name__,
 )
 def test_every_update_counts_one_step(transform):
@@ -90,15 +90,15 @@ def test_every_update_counts_one_step(transform):
 @pytest.mark.parametrize(
     "transform, slots",
     [
-        (T.SGDTransform(0.1), set()),  # Keras SGD: momentums only when momentum != 0
-        (T.SGDTransform(0.1, momentum=0.9), {"momentum"}),
-        (T.AdamTransform(), {"m", "v"}),  # Keras Adam: velocity_hats only with amsgrad
-        (T.AdamTransform(amsgrad=True), {"m", "v", "v_hat"}),
-        (T.RMSpropTransform(), {"velocity"}),  # Keras RMSprop: momentums if momentum > 0, averages if centered
-        (T.RMSpropTransform(momentum=0.5), {"velocity", "momentum"}),
-        (T.RMSpropTransform(centered=True), {"velocity", "average_gradient"}),
-        (T.AdagradTransform(initial_accumulator_value=0.3), {"accumulator"}),
-        (T.LionTransform(), {"m"}),
+        (T.Chain(T.SGDStep(), 0.1), set()),  # Keras SGD: momentums only when momentum != 0
+        (T.Chain(T.SGDStep(momentum=0.9), 0.1), {"momentum"}),
+        (T.Chain(T.AdamStep()), {"m", "v"}),  # Keras Adam: velocity_hats only with amsgrad
+        (T.Chain(T.AdamStep(amsgrad=True)), {"m", "v", "v_hat"}),
+        (T.Chain(T.RMSpropStep()), {"velocity"}),  # Keras RMSprop: momentums if momentum > 0, averages if centered
+        (T.Chain(T.RMSpropStep(momentum=0.5)), {"velocity", "momentum"}),
+        (T.Chain(T.RMSpropStep(centered=True)), {"velocity", "average_gradient"}),
+        (T.Chain(T.AdagradStep(initial_accumulator_value=0.3)), {"accumulator"}),
+        (T.Chain(T.LionStep()), {"m"}),
     ],
     ids=[f"case{i}" for i in range(9)],
 )
@@ -109,18 +109,17 @@ def test_init_makes_the_slots_keras_makes_and_no_others(transform, slots):
         assert state.accumulator.tolist() == [0.3] * 3
 
 
-ALL = [T.SGDTransform, T.AdagradTransform, T.AdamTransform, T.RMSpropTransform, T.FtrlTransform, T.AdamaxTransform,
-       T.NadamTransform, T.LionTransform]
+ALL = [T.SGDStep, T.AdagradStep, T.AdamStep, T.RMSpropStep, T.FtrlStep, T.AdamaxStep, T.NadamStep, T.LionStep]
 
 
-@pytest.mark.parametrize("kind", ALL, ids=lambda k: k.__name__)
-def test_a_schedule_is_asked_for_the_rate_at_the_variables_count(kind):
+@pytest.mark.parametrize("rule", ALL, ids=lambda k: k.__name__)
+def test_a_schedule_is_asked_for_the_rate_at_the_variables_count(rule):
     # Keras: lr = schedule(iterations): 0.1 for the first update, 0.05 for the second
     sched = S.PiecewiseConstantDecay([0], [0.1, 0.05])
-    got, state = _run(kind(sched), GRADS[:2])
+    got, state = _run(T.Chain(rule(), sched), GRADS[:2])
     want, fixed = START.copy(), None
     for rate, g in zip((0.1, 0.05), GRADS[:2]):
-        t = kind(rate)
+        t = T.Chain(rule(), rate)
         fixed = T.apply_gradient(t, want, fixed, "dense", g)
     np.testing.assert_allclose(got, want, rtol=1e-12)
     assert state.count == 2
@@ -128,7 +127,7 @@ def test_a_schedule_is_asked_for_the_rate_at_the_variables_count(kind):
 
 def test_sgd_without_decay_leaves_an_infinite_parameter_infinite():
     param = np.array([np.inf, 1.0])
-    T.apply_gradient(T.SGDTransform(0.1), param, None, "dense", np.array([1.0, 1.0]))
+    T.apply_gradient(T.Chain(T.SGDStep(), 0.1), param, None, "dense", np.array([1.0, 1.0]))
     assert param[0] == np.inf and param[1] == pytest.approx(0.9)
 
 
@@ -142,7 +141,7 @@ def test_decay_exempt_by_key_or_by_pattern():
 
 
 def test_for_variable_exempts_by_server_key_and_leaves_other_transforms_alone():
-    adam = T.AdamTransform(weight_decay=0.1, decay_exempt=T.DecayExempt(frozenset({"k7"})))
+    adam = T.Chain(T.AdamStep(), weight_decay=0.1, decay_exempt=T.DecayExempt(frozenset({'k7'})))
     assert T.for_variable(adam, "k7", "any").weight_decay is None
     assert T.for_variable(adam, "k8", "any").weight_decay == 0.1
 
@@ -155,17 +154,17 @@ def test_for_variable_exempts_by_server_key_and_leaves_other_transforms_alone():
 
 def test_for_variable_drops_weight_decay_only_where_exempt():
     ex = T.DecayExempt(pattern="bias")
-    adam = T.AdamTransform(weight_decay=0.1, decay_exempt=ex)
+    adam = T.Chain(T.AdamStep(), weight_decay=0.1, decay_exempt=ex)
     assert T.for_variable(adam, "k", "dense/bias").weight_decay is None
     assert T.for_variable(adam, "k", "dense/kernel") is adam
-    plain = T.AdamTransform(decay_exempt=ex)
+    plain = T.Chain(T.AdamStep(), decay_exempt=ex)
     assert T.for_variable(plain, "k", "dense/bias") is plain
 
 
 def test_state_from_slots_keeps_the_known_slots_and_the_count():
     param = np.zeros(2)
     saved = {"m": np.array([1.0, 2.0]), "unknown": np.array([9.0]), "count": np.array([7.0])}
-    state = T.state_from_slots(T.AdamTransform(), param, np.int64(5), saved)
+    state = T.state_from_slots(T.Chain(T.AdamStep()), param, np.int64(5), saved)
     assert state.count == 5 and type(state.count) is int
     assert state.m.tolist() == [1.0, 2.0] and state.v.tolist() == [0.0, 0.0] and state.v_hat is None
 
@@ -187,10 +186,10 @@ def test_sum_rows_of_nothing_and_of_no_repeats():
 
 
 def test_additive_only_for_plain_sgd_at_a_fixed_rate():
-    assert T.additive(T.SGDTransform(0.1))
-    assert not T.additive(T.SGDTransform(S.ExponentialDecay(0.1, 10, 0.5)))
-    assert not T.additive(T.SGDTransform(0.1, weight_decay=0.01))
-    assert not T.additive(T.AdagradTransform(0.1))
+    assert T.additive(T.Chain(T.SGDStep(), 0.1))
+    assert not T.additive(T.Chain(T.SGDStep(), S.ExponentialDecay(0.1, 10, 0.5)))
+    assert not T.additive(T.Chain(T.SGDStep(), 0.1, weight_decay=0.01))
+    assert not T.additive(T.Chain(T.AdagradStep(), 0.1))
 
 
 def test_check_trainable_refuses_integers_by_name():
@@ -202,28 +201,28 @@ def test_check_trainable_refuses_integers_by_name():
 
 
 def test_apply_gradient_times_counts_every_merged_step():
-    state = T.apply_gradient(T.SGDTransform(0.5), np.zeros(1), None, "dense", np.array([1.0]), times=2)
+    state = T.apply_gradient(T.Chain(T.SGDStep(), 0.5), np.zeros(1), None, "dense", np.array([1.0]), times=2)
     assert state.count == 2
     param = np.zeros(2)
-    state = T.apply_gradient(T.SGDTransform(0.5), param, None, "dense", np.array([1.0, 2.0]), times=3)
+    state = T.apply_gradient(T.Chain(T.SGDStep(), 0.5), param, None, "dense", np.array([1.0, 2.0]), times=3)
     assert state.count == 3 and param.tolist() == [-0.5, -1.0]
-    state = T.apply_gradient(T.SGDTransform(0.5), param, state, "dense", np.array([1.0, 2.0]))
+    state = T.apply_gradient(T.Chain(T.SGDStep(), 0.5), param, state, "dense", np.array([1.0, 2.0]))
     assert state.count == 4
 
 
 def test_rows_are_row_local_by_default():
     # TF Addons' LazyAdam: a row not named keeps its value and its moments
     param = np.zeros((2, 1))
-    state = T.apply_gradient(T.AdamTransform(0.1), param, None, "rows", (np.array([0]), np.array([[1.0]])))
+    state = T.apply_gradient(T.Chain(T.AdamStep(), 0.1), param, None, "rows", (np.array([0]), np.array([[1.0]])))
     after_first = param.copy()
-    state = T.apply_gradient(T.AdamTransform(0.1), param, state, "rows", (np.array([1]), np.array([[1.0]])))
+    state = T.apply_gradient(T.Chain(T.AdamStep(), 0.1), param, state, "rows", (np.array([1]), np.array([[1.0]])))
     assert param[0, 0] == after_first[0, 0] and state.m[0, 0] == pytest.approx(0.1) and state.count == 2
 
 
 def test_rows_with_lazy_sparse_off_are_a_dense_gradient():
     # Keras' dense behaviour: every row's slots move, repeated rows summed
     param = np.zeros((3, 1))
-    state = T.apply_gradient(T.AdamTransform(0.1), param, None, "rows", (np.array([0, 0]), np.array([[1.0], [1.0]])),
+    state = T.apply_gradient(T.Chain(T.AdamStep(), 0.1), param, None, "rows", (np.array([0, 0]), np.array([[1.0], [1.0]])),
                              lazy_sparse=False)
     assert state.count == 1 and state.m[:, 0].tolist() == pytest.approx([0.2, 0.0, 0.0])
 

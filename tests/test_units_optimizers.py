@@ -60,6 +60,19 @@ def test_every_argument_given_is_kept(name):
     assert getattr(dps.optimizers, name)(global_clipnorm=4.0).global_clipnorm == 4.0
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_get_config_names_kerass_hyperparameters_and_from_config_makes_the_same_optimizer(name):
+    """Keras' get_config()/from_config(): the keys are Keras' own (less what we do not have) and ``lazy_sparse``;
+    each hyperparameter is read once from where the optimizer declares it."""
+    given = {k: OTHER[k] for k in _shared(name) if k not in ("clipvalue", "global_clipnorm")}
+    ours = getattr(dps.optimizers, name)(**given, name="mine")
+    config = ours.get_config()
+    assert set(config) == set(_shared(name)) | {"name", "lazy_sparse"}
+    assert all(config[k] == getattr(ours, k) for k in config), config
+    again = type(ours).from_config(config)
+    assert type(again) is type(ours) and again.get_config() == config
+
+
 # -- refusals, word for word (docs/reference/bad-input.md) -----------------------------------
 
 @pytest.mark.parametrize("make, kind, message", [

@@ -34,7 +34,7 @@ def _value(ps: ParameterServer, key: str) -> np.ndarray:
 
 
 def _sgd(ps: ParameterServer, key="opt", lr=0.1, momentum=0.0, holder="h", name="SGD") -> None:
-    ps.execute([ops.AddOptimizer(key, transforms.SGDTransform(lr, momentum), True, name, holder)])
+    ps.execute([ops.AddOptimizer(key, transforms.Chain(transforms.SGDStep(momentum), lr), True, name, holder)])
 
 
 # -- creation, reads, updates --------------------------------------------------------
@@ -153,7 +153,7 @@ def test_momentum_sgd_follows_keras_rule_and_keeps_its_slots_when_reconfigured()
     m1 = -0.1 * g1
     np.testing.assert_allclose(_value(ps, "w"), np.array([1.0, -2.0]) + m1, rtol=1e-6)
     # New settings, same key, no holder: the momentum slot stays.
-    ps.execute([ops.AddOptimizer("opt", transforms.SGDTransform(0.01, 0.9), True, "SGD", None)])
+    ps.execute([ops.AddOptimizer("opt", transforms.Chain(transforms.SGDStep(0.9), 0.01), True, "SGD", None)])
     ps.execute([ops.ApplyGradients("opt", [("w", "dense", g2)], bump="c")])
     m2 = 0.9 * m1 - 0.01 * g2
     np.testing.assert_allclose(_value(ps, "w"), np.array([1.0, -2.0]) + m1 + m2, rtol=1e-6)
@@ -162,7 +162,7 @@ def test_momentum_sgd_follows_keras_rule_and_keeps_its_slots_when_reconfigured()
     assert stats.num_optimizers == 1 and stats.slot_nbytes == 8
     assert stats.updates == 2 and stats.bytes_received == 16 and stats.table_updates == {"w": 2}
     with pytest.raises(LookupError, match=r"no optimizer 'Adam' on ps task 0"):
-        ps.execute([ops.AddOptimizer("other", transforms.SGDTransform(0.1), True, "Adam", None)])
+        ps.execute([ops.AddOptimizer("other", transforms.Chain(transforms.SGDStep(), 0.1), True, "Adam", None)])
     with pytest.raises(ValueError, match="'opt' already exists"):
         _sgd(ps)
 
@@ -329,7 +329,7 @@ def test_counts_add_up_per_holder_and_per_operation():
 
 def test_a_push_counts_the_bytes_of_every_gradient_and_names_the_optimizer_that_cannot_train():
     ps = _server(a=[1.0, 1.0], b=[1.0])
-    ps.execute([ops.AddOptimizer("o", transforms.SGDTransform(0.1), True, "MySGD", "h")])
+    ps.execute([ops.AddOptimizer("o", transforms.Chain(transforms.SGDStep(), 0.1), True, "MySGD", "h")])
     ps.execute([ops.ApplyGradients("o", [("a", "dense", np.ones(2, np.float32)), ("b", "dense", np.ones(1, np.float32))])])
     assert ps.execute([ops.Stats()])[0].bytes_received == 12
     ps.execute([ops.Create("i", "ints", DenseSpec(np.zeros(2, np.int32)), "h")])
@@ -344,7 +344,7 @@ def test_a_merged_push_moves_a_schedule_on_by_every_step_it_holds():
 
     ps = _server(w=[0.0])
     rate = ExponentialDecay(1.0, decay_steps=1, decay_rate=0.5)
-    ps.execute([ops.AddOptimizer("o", transforms.SGDTransform(rate), True, "SGD", "h")])
+    ps.execute([ops.AddOptimizer("o", transforms.Chain(transforms.SGDStep(), rate), True, "SGD", "h")])
     ps.execute([ops.ApplyGradients("o", [("w", "dense", np.ones(1, np.float32))], times=3)])  # at rate(2) = 0.25
     ps.execute([ops.ApplyGradients("o", [("w", "dense", np.ones(1, np.float32))])])  # at rate(3) = 0.125
     np.testing.assert_allclose(_value(ps, "w"), [-0.25 - 0.125])
@@ -378,10 +378,9 @@ def test_a_released_table_takes_the_bags_its_lookups_left_with_it():
     """A server keeps a pooled lookup's bags for its gradient; releasing the table drops them (a gradient
     naming that lookup then finds nothing, as after a restore, and is dropped and counted)."""
     from daskps._core.bags import BagGrad, BagRead
-    from daskps._core.transforms import SGDTransform
 
     ps = _server(t=np.zeros((4, 2)))
-    ps.execute([ops.AddOptimizer("opt", SGDTransform(1.0), True, "SGD", "h")])
+    ps.execute([ops.AddOptimizer("opt", transforms.Chain(transforms.SGDStep(), 1.0), True, "SGD", "h")])
     read = BagRead(np.array([1, 2], np.int32), np.array([2], np.uint8), lane="lane", token=1)
     ps.execute([ops.Read(["t"], [read])])
     ps.execute([ops.Release(["t"], "h")])

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import daskps as dps
-from daskps.training.checkpoint import MANIFEST
+from daskps.training.manifest import MANIFEST
 
 
 def _commit(root: pathlib.Path, number: int, name: str = "ckpt") -> None:

@@ -39,6 +39,12 @@ def _number(value: Any, arg: str) -> float:
     return float(value)
 
 
+def _non_negative(value: Any, arg: str) -> float:
+    if _number(value, arg) < 0:
+        raise ValueError(f"{arg} must be >= 0, got {value!r}")
+    return float(value)
+
+
 def _steps(value: Any, arg: str) -> float:
     if _number(value, arg) <= 0:
         raise ValueError(f"{arg} must be > 0, got {value!r}")
@@ -50,11 +56,32 @@ class LearningRateSchedule:
 
     Subclasses implement ``__call__(step)``, returning the rate for a
     variable's ``step``-th update (counted from 0), and must pickle: the
-    schedule travels to the parameter servers inside the optimizer.
+    schedule travels to the parameter servers inside the optimizer. The
+    frozen dataclasses below declare their arguments' checks once, in
+    ``CHECKS`` (field -> check), run when one is made, and their
+    ``get_config()`` is their fields, as Keras'.
     """
+
+    CHECKS: dict[str, Any] = {}
+
+    def __post_init__(self) -> None:
+        for field, check in self.CHECKS.items():
+            check(getattr(self, field), field)
 
     def __call__(self, step: int) -> float:
         raise NotImplementedError
+
+    def get_config(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+
+def _exponent(step: int, decay_steps: float, staircase: bool) -> Any:
+    """``step / decay_steps``, rounded down with ``staircase``."""
+    p = _F(step) / _F(decay_steps)
+    return np.floor(p) if staircase else p
+
+
+_DECAY = {"initial_learning_rate": _number, "decay_steps": _steps, "decay_rate": _number}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,16 +101,10 @@ class ExponentialDecay(LearningRateSchedule):
     decay_rate: float
     staircase: bool = False
     name: str = "ExponentialDecay"
-
-    def __post_init__(self) -> None:
-        _number(self.initial_learning_rate, "initial_learning_rate")
-        _steps(self.decay_steps, "decay_steps")
-        _number(self.decay_rate, "decay_rate")
+    CHECKS = _DECAY
 
     def __call__(self, step: int) -> float:
-        p = _F(step) / _F(self.decay_steps)
-        if self.staircase:
-            p = np.floor(p)
+        p = _exponent(step, self.decay_steps, self.staircase)
         return float(_F(self.initial_learning_rate) * np.power(_F(self.decay_rate), p))
 
 
@@ -100,7 +121,7 @@ class PiecewiseConstantDecay(LearningRateSchedule):
     values: Sequence[float]
     name: str = "PiecewiseConstant"
 
-    def __post_init__(self) -> None:
+    def __post_init__(self) -> None:  # (its own checks: two sequences)
         if len(self.boundaries) != len(self.values) - 1:
             raise ValueError(
                 f"boundaries must have one item fewer than values, got {len(self.boundaries)} boundaries "
@@ -138,12 +159,8 @@ class PolynomialDecay(LearningRateSchedule):
     power: float = 1.0
     cycle: bool = False
     name: str = "PolynomialDecay"
-
-    def __post_init__(self) -> None:
-        _number(self.initial_learning_rate, "initial_learning_rate")
-        _steps(self.decay_steps, "decay_steps")
-        _number(self.end_learning_rate, "end_learning_rate")
-        _number(self.power, "power")
+    CHECKS = {"initial_learning_rate": _number, "decay_steps": _steps, "end_learning_rate": _number,
+              "power": _number}
 
     def __call__(self, step: int) -> float:
         s, decay_steps = _F(step), _F(self.decay_steps)
@@ -169,16 +186,10 @@ class InverseTimeDecay(LearningRateSchedule):
     decay_rate: float
     staircase: bool = False
     name: str = "InverseTimeDecay"
-
-    def __post_init__(self) -> None:
-        _number(self.initial_learning_rate, "initial_learning_rate")
-        _steps(self.decay_steps, "decay_steps")
-        _number(self.decay_rate, "decay_rate")
+    CHECKS = _DECAY
 
     def __call__(self, step: int) -> float:
-        p = _F(step) / _F(self.decay_steps)
-        if self.staircase:
-            p = np.floor(p)
+        p = _exponent(step, self.decay_steps, self.staircase)
         return float(_F(self.initial_learning_rate) / (_F(1) + _F(self.decay_rate) * p))
 
 
@@ -201,15 +212,8 @@ class CosineDecay(LearningRateSchedule):
     name: str = "CosineDecay"
     warmup_target: float | None = None
     warmup_steps: float = 0
-
-    def __post_init__(self) -> None:
-        _number(self.initial_learning_rate, "initial_learning_rate")
-        _steps(self.decay_steps, "decay_steps")
-        _number(self.alpha, "alpha")
-        if self.warmup_target is not None:
-            _number(self.warmup_target, "warmup_target")
-        if _number(self.warmup_steps, "warmup_steps") < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps!r}")
+    CHECKS = {"initial_learning_rate": _number, "decay_steps": _steps, "alpha": _number,
+              "warmup_target": lambda v, arg: v is None or _number(v, arg), "warmup_steps": _non_negative}
 
     def _decay(self, step: Any, start: Any) -> float:
         alpha = _F(self.alpha)

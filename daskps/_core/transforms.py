@@ -1,25 +1,29 @@
-"""Optimizer maths as pure functions on arrays, in the style of optax.
+"""Optimizer maths as pure functions on arrays, composed in the style of optax.
 
-A *transform* is a small immutable configuration (a ``NamedTuple`` of
-hyperparameters) with two pure methods:
+A transform has two pure methods:
 
 - ``init(param) -> state``: the state for one parameter, a ``NamedTuple``
   whose ``count`` is the number of updates applied so far and whose other
   fields are arrays shaped like the parameter (Keras calls them slots);
-- ``update(grad, state, param) -> (updates, state)``: the step to add to the
-  parameter, and the next state.
+- ``update(grad, state, param) -> (updates, state)``: the change to add to
+  the parameter, and the next state.
+
+Every optimizer is a :class:`Chain`: what all optimizers share, declared
+once (the learning rate, a number or a schedule called with ``state.count``
+on the server; Keras 3's decoupled ``weight_decay``, applied first with the
+step's rate; the variables exempt from it, a mask), around the *step rule*
+that makes it Adam or Adagrad (``AdamStep``, ``AdagradStep``, ...). A step
+rule declares only its own hyperparameters and gets the step's count and
+rate in a :class:`Step`; where Keras folds the rate into a slot (SGD's and
+RMSprop's momentum, Ftrl's linear term) the rule uses it there, and
+elsewhere it scales its direction by it last, as Keras does.
 
 Because they are pure, one transform serves every variable and shard, and
 the same ``update`` runs on a whole array or on the rows an ``IndexedSlices``
 gradient names. A parameter server is sent each transform once and keeps
 every state beside its variable. The numbers are Keras 3's.
 
-Every transform also has Keras 3's ``weight_decay`` (decoupled, applied
-first, with the step's learning rate: :func:`rate_and_decay`), and its
-``learning_rate`` may be a schedule, called with ``state.count`` (the
-updates before this one) on the server: :func:`learning_rate_at`.
-
->>> sgd = SGDTransform(learning_rate=0.1, momentum=0.9)
+>>> sgd = Chain(SGDStep(momentum=0.9), learning_rate=0.1)
 >>> param = np.zeros(2, np.float32)
 >>> updates, state = sgd.update(np.ones(2, np.float32), sgd.init(param), param)
 >>> updates, state.count, state.momentum
@@ -51,18 +55,36 @@ def learning_rate_at(learning_rate: Any, step: int) -> float:
     return float(learning_rate(step)) if callable(learning_rate) else float(learning_rate)
 
 
-def rate_and_decay(transform: Any, count: int, param: np.ndarray) -> tuple[Any, np.ndarray]:
-    """This step's learning rate (in ``param``'s dtype) and ``param`` after decoupled weight decay.
+class Step(NamedTuple):
+    """What a step rule is told of this step besides the gradient."""
 
-    Keras 3 shrinks the variable first, ``p - p * weight_decay * lr``, and
-    then computes the optimizer's step from the shrunk variable. Without
-    ``weight_decay`` the parameter itself comes back (no copy).
+    count: int  # type: ignore[assignment]  # the updates the variable has had before this one (shadows tuple.count)
+    lr: Any  # this step's learning rate, a scalar of the parameter's dtype
+
+
+class Chain(NamedTuple):
+    """An optimizer as the servers run it: a step rule inside what every optimizer shares.
+
+    Keras 3's order: the variable is first shrunk by decoupled weight decay,
+    ``p - p * weight_decay * lr`` (unless ``decay_exempt`` covers it, see
+    :func:`for_variable`), then the rule computes its step from the shrunk
+    variable, with this step's rate.
     """
-    t = param.dtype.type
-    lr = t(learning_rate_at(transform.learning_rate, count))
-    if transform.weight_decay is None:
-        return lr, param
-    return lr, param - param * t(transform.weight_decay) * lr
+
+    rule: Any  # a step rule: init(param) -> state; update(grad, state, param, Step) -> (step, state)
+    learning_rate: Any = 0.001  # a number, or a schedule called with the variable's count
+    weight_decay: float | None = None
+    decay_exempt: DecayExempt | None = None  # the variables weight decay leaves alone
+
+    def init(self, param: np.ndarray) -> Any:
+        return self.rule.init(param)
+
+    def update(self, grad: np.ndarray, state: Any, param: np.ndarray) -> tuple[np.ndarray, Any]:
+        t = param.dtype.type
+        lr = t(learning_rate_at(self.learning_rate, state.count))
+        decayed = param if self.weight_decay is None else param - param * t(self.weight_decay) * lr
+        step, state = self.rule.update(grad, state, decayed, Step(state.count, lr))
+        return with_decay(param, decayed, step), state
 
 
 def with_decay(param: np.ndarray, decayed: np.ndarray, update: np.ndarray) -> np.ndarray:
@@ -75,26 +97,22 @@ class SGDState(NamedTuple):
     momentum: np.ndarray | None = None
 
 
-class SGDTransform(NamedTuple):
+class SGDStep(NamedTuple):
     """Gradient descent with optional (Nesterov) momentum, as ``keras.optimizers.SGD``."""
 
-    learning_rate: Any = 0.01
     momentum: float = 0.0
     nesterov: bool = False
-    weight_decay: float | None = None
-    decay_exempt: DecayExempt | None = None
 
     def init(self, param: np.ndarray) -> SGDState:
         return SGDState(0, np.zeros_like(param) if self.momentum else None)
 
-    def update(self, grad: np.ndarray, state: SGDState, param: np.ndarray) -> tuple[np.ndarray, SGDState]:
-        t = param.dtype.type
-        lr, decayed = rate_and_decay(self, state.count, param)
+    def update(self, grad: np.ndarray, state: SGDState, param: np.ndarray, at: Step) -> tuple[np.ndarray, SGDState]:
+        t, lr = param.dtype.type, at.lr
         mu = t(self.momentum)
         if state.momentum is None:
-            return with_decay(param, decayed, grad * -lr), SGDState(state.count + 1)  # (-(grad * lr), one array less)
+            return grad * -lr, SGDState(state.count + 1)  # (-(grad * lr), one array less)
         m = state.momentum * mu - grad * lr
-        return with_decay(param, decayed, m * mu - grad * lr if self.nesterov else m), SGDState(state.count + 1, m)
+        return m * mu - grad * lr if self.nesterov else m, SGDState(state.count + 1, m)
 
 
 class AdagradState(NamedTuple):
@@ -102,24 +120,20 @@ class AdagradState(NamedTuple):
     accumulator: np.ndarray | None = None
 
 
-class AdagradTransform(NamedTuple):
+class AdagradStep(NamedTuple):
     """Adagrad, as ``keras.optimizers.Adagrad``: ``p -= lr * g / sqrt(acc + epsilon)``."""
 
-    learning_rate: Any = 0.001
     initial_accumulator_value: float = 0.1
     epsilon: float = 1e-7
-    weight_decay: float | None = None
-    decay_exempt: DecayExempt | None = None
 
     def init(self, param: np.ndarray) -> AdagradState:
         return AdagradState(0, np.full_like(param, self.initial_accumulator_value))
 
-    def update(self, grad: np.ndarray, state: AdagradState, param: np.ndarray) -> tuple[np.ndarray, AdagradState]:
-        t = param.dtype.type
-        lr, decayed = rate_and_decay(self, state.count, param)
+    def update(self, grad: np.ndarray, state: AdagradState, param: np.ndarray, at: Step) -> tuple[np.ndarray, AdagradState]:
+        t, lr = param.dtype.type, at.lr
         acc = state.accumulator + np.square(grad)
         step = -(lr * grad / np.sqrt(acc + t(self.epsilon)))
-        return with_decay(param, decayed, step), AdagradState(state.count + 1, acc)
+        return step, AdagradState(state.count + 1, acc)
 
 
 class AdamState(NamedTuple):
@@ -129,28 +143,24 @@ class AdamState(NamedTuple):
     v_hat: np.ndarray | None = None
 
 
-class AdamTransform(NamedTuple):
+class AdamStep(NamedTuple):
     """Adam, as ``keras.optimizers.Adam`` (``amsgrad`` included).
 
     The bias correction uses the number of updates the variable has had,
     which equals Keras' ``iterations + 1`` when every step updates it.
     """
 
-    learning_rate: Any = 0.001
     beta_1: float = 0.9
     beta_2: float = 0.999
     epsilon: float = 1e-7
     amsgrad: bool = False
-    weight_decay: float | None = None
-    decay_exempt: DecayExempt | None = None
 
     def init(self, param: np.ndarray) -> AdamState:
         zeros = np.zeros_like
         return AdamState(0, zeros(param), zeros(param), zeros(param) if self.amsgrad else None)
 
-    def update(self, grad: np.ndarray, state: AdamState, param: np.ndarray) -> tuple[np.ndarray, AdamState]:
-        t = param.dtype.type
-        lr, decayed = rate_and_decay(self, state.count, param)
+    def update(self, grad: np.ndarray, state: AdamState, param: np.ndarray, at: Step) -> tuple[np.ndarray, AdamState]:
+        t, lr = param.dtype.type, at.lr
         step = state.count + 1
         b1, b2 = t(self.beta_1), t(self.beta_2)
         alpha = lr * np.sqrt(1 - b2 ** t(step)) / (1 - b1 ** t(step))
@@ -160,7 +170,7 @@ class AdamTransform(NamedTuple):
         v_hat = np.maximum(state.v_hat, v) if self.amsgrad else None  # type: ignore[arg-type]
         denom = v if v_hat is None else v_hat
         update = -(m * alpha / (np.sqrt(denom) + t(self.epsilon)))
-        return with_decay(param, decayed, update), AdamState(step, m, v, v_hat)
+        return update, AdamState(step, m, v, v_hat)
 
 
 class RMSpropState(NamedTuple):
@@ -170,29 +180,25 @@ class RMSpropState(NamedTuple):
     average_gradient: np.ndarray | None = None
 
 
-class RMSpropTransform(NamedTuple):
+class RMSpropStep(NamedTuple):
     """RMSprop, as ``keras.optimizers.RMSprop``: steps scaled by a moving root mean square of the gradients.
 
     ``centered`` subtracts the square of the moving mean of the gradients
     (an estimate of their variance); ``momentum > 0`` accumulates the steps.
     """
 
-    learning_rate: Any = 0.001
     rho: float = 0.9
     momentum: float = 0.0
     epsilon: float = 1e-7
     centered: bool = False
-    weight_decay: float | None = None
-    decay_exempt: DecayExempt | None = None
 
     def init(self, param: np.ndarray) -> RMSpropState:
         zeros = np.zeros_like
         return RMSpropState(0, zeros(param), zeros(param) if self.momentum > 0 else None,
                             zeros(param) if self.centered else None)
 
-    def update(self, grad: np.ndarray, state: RMSpropState, param: np.ndarray) -> tuple[np.ndarray, RMSpropState]:
-        t = param.dtype.type
-        lr, decayed = rate_and_decay(self, state.count, param)
+    def update(self, grad: np.ndarray, state: RMSpropState, param: np.ndarray, at: Step) -> tuple[np.ndarray, RMSpropState]:
+        t, lr = param.dtype.type, at.lr
         rho, keep, eps = t(self.rho), t(1 - self.rho), t(self.epsilon)
         velocity = rho * state.velocity + keep * np.square(grad)
         average = None
@@ -204,7 +210,7 @@ class RMSpropTransform(NamedTuple):
         increment = lr * grad / np.sqrt(denominator)
         momentum = None if state.momentum is None else t(self.momentum) * state.momentum + increment
         step = -(increment if momentum is None else momentum)
-        return with_decay(param, decayed, step), RMSpropState(state.count + 1, velocity, momentum, average)
+        return step, RMSpropState(state.count + 1, velocity, momentum, average)
 
 
 class FtrlState(NamedTuple):
@@ -213,29 +219,26 @@ class FtrlState(NamedTuple):
     linear: np.ndarray | None = None
 
 
-class FtrlTransform(NamedTuple):
+class FtrlStep(NamedTuple):
     """Follow The Regularized Leader, as ``keras.optimizers.Ftrl`` (its L1, L2, L2-shrinkage and ``beta``).
 
     The new value is computed from the accumulated ``linear`` term, not
-    added to the old one; the update returned is the difference.
+    added to the old one; the update returned is the difference (from the
+    variable after weight decay, which the chain adds).
     """
 
-    learning_rate: Any = 0.001
     learning_rate_power: float = -0.5
     initial_accumulator_value: float = 0.1
     l1_regularization_strength: float = 0.0
     l2_regularization_strength: float = 0.0
     l2_shrinkage_regularization_strength: float = 0.0
     beta: float = 0.0
-    weight_decay: float | None = None
-    decay_exempt: DecayExempt | None = None
 
     def init(self, param: np.ndarray) -> FtrlState:
         return FtrlState(0, np.full_like(param, self.initial_accumulator_value), np.zeros_like(param))
 
-    def update(self, grad: np.ndarray, state: FtrlState, param: np.ndarray) -> tuple[np.ndarray, FtrlState]:
-        t = param.dtype.type
-        lr, p = rate_and_decay(self, state.count, param)
+    def update(self, grad: np.ndarray, state: FtrlState, param: np.ndarray, at: Step) -> tuple[np.ndarray, FtrlState]:
+        t, lr, p = param.dtype.type, at.lr, param
         power = t(-self.learning_rate_power)
         l1 = t(self.l1_regularization_strength)
         l2 = t(self.l2_regularization_strength) + t(self.beta) / (t(2) * lr)
@@ -254,28 +257,24 @@ class AdamaxState(NamedTuple):
     u: np.ndarray | None = None
 
 
-class AdamaxTransform(NamedTuple):
+class AdamaxStep(NamedTuple):
     """Adamax, as ``keras.optimizers.Adamax``: Adam with the infinity norm in place of ``v``."""
 
-    learning_rate: Any = 0.001
     beta_1: float = 0.9
     beta_2: float = 0.999
     epsilon: float = 1e-7
-    weight_decay: float | None = None
-    decay_exempt: DecayExempt | None = None
 
     def init(self, param: np.ndarray) -> AdamaxState:
         return AdamaxState(0, np.zeros_like(param), np.zeros_like(param))
 
-    def update(self, grad: np.ndarray, state: AdamaxState, param: np.ndarray) -> tuple[np.ndarray, AdamaxState]:
-        t = param.dtype.type
-        lr, decayed = rate_and_decay(self, state.count, param)
+    def update(self, grad: np.ndarray, state: AdamaxState, param: np.ndarray, at: Step) -> tuple[np.ndarray, AdamaxState]:
+        t, lr = param.dtype.type, at.lr
         step = state.count + 1
         b1, b2 = t(self.beta_1), t(self.beta_2)
         m = state.m + (grad - state.m) * t(1 - self.beta_1)
         u = np.maximum(b2 * state.u, np.abs(grad))
         update = -(lr * m / ((1 - b1 ** t(step)) * (u + t(self.epsilon))))
-        return with_decay(param, decayed, update), AdamaxState(step, m, u)
+        return update, AdamaxState(step, m, u)
 
 
 class NadamState(NamedTuple):
@@ -300,7 +299,7 @@ def nadam_momentum_product(beta_1: float, steps: int) -> float:
     return float(beta_1 ** steps * np.prod(1 - 0.5 * 0.96**i))
 
 
-class NadamTransform(NamedTuple):
+class NadamStep(NamedTuple):
     """Nadam (Adam with Nesterov momentum), as ``keras.optimizers.Nadam``.
 
     Keras' ``u_product`` (a product of momentum-decay terms, one per step) is
@@ -309,19 +308,15 @@ class NadamTransform(NamedTuple):
     every variable.
     """
 
-    learning_rate: Any = 0.001
     beta_1: float = 0.9
     beta_2: float = 0.999
     epsilon: float = 1e-7
-    weight_decay: float | None = None
-    decay_exempt: DecayExempt | None = None
 
     def init(self, param: np.ndarray) -> NadamState:
         return NadamState(0, np.zeros_like(param), np.zeros_like(param))
 
-    def update(self, grad: np.ndarray, state: NadamState, param: np.ndarray) -> tuple[np.ndarray, NadamState]:
-        t = param.dtype.type
-        lr, decayed = rate_and_decay(self, state.count, param)
+    def update(self, grad: np.ndarray, state: NadamState, param: np.ndarray, at: Step) -> tuple[np.ndarray, NadamState]:
+        t, lr = param.dtype.type, at.lr
         step = state.count + 1
         b1, b2, decay = t(self.beta_1), t(self.beta_2), t(0.96)
         u_now = b1 * (t(1) - t(0.5) * decay ** t(step))
@@ -332,7 +327,7 @@ class NadamTransform(NamedTuple):
         m_hat = u_next * m / (1 - product * u_next) + (1 - u_now) * grad / (1 - product)
         v_hat = v / (1 - b2 ** t(step))
         update = -(m_hat * lr / (np.sqrt(v_hat) + t(self.epsilon)))
-        return with_decay(param, decayed, update), NadamState(step, m, v)
+        return update, NadamState(step, m, v)
 
 
 class LionState(NamedTuple):
@@ -340,25 +335,21 @@ class LionState(NamedTuple):
     m: np.ndarray | None = None
 
 
-class LionTransform(NamedTuple):
+class LionStep(NamedTuple):
     """Lion, as ``keras.optimizers.Lion``: steps of size ``learning_rate`` along the sign of a momentum mix."""
 
-    learning_rate: Any = 0.001
     beta_1: float = 0.9
     beta_2: float = 0.99
-    weight_decay: float | None = None
-    decay_exempt: DecayExempt | None = None
 
     def init(self, param: np.ndarray) -> LionState:
         return LionState(0, np.zeros_like(param))
 
-    def update(self, grad: np.ndarray, state: LionState, param: np.ndarray) -> tuple[np.ndarray, LionState]:
-        t = param.dtype.type
-        lr, decayed = rate_and_decay(self, state.count, param)
+    def update(self, grad: np.ndarray, state: LionState, param: np.ndarray, at: Step) -> tuple[np.ndarray, LionState]:
+        t, lr = param.dtype.type, at.lr
         b1, b2 = t(self.beta_1), t(self.beta_2)
         update = -(lr * np.sign(state.m * b1 + grad * (t(1) - b1)))
         m = state.m * b2 + grad * (t(1) - b2)
-        return with_decay(param, decayed, update), LionState(state.count + 1, m)
+        return update, LionState(state.count + 1, m)
 
 
 class DecayExempt(NamedTuple):
@@ -442,11 +433,11 @@ def additive(transform: Any) -> bool:
     no weight decay): every step is ``-lr * grad``, independent of the
     parameter and of the state. Bounded staleness merges such pushes.
 
-    >>> additive(SGDTransform(0.1)), additive(SGDTransform(0.1, momentum=0.9))
+    >>> additive(Chain(SGDStep(), 0.1)), additive(Chain(SGDStep(momentum=0.9), 0.1))
     (True, False)
     """
-    return (type(transform) is SGDTransform and not transform.momentum and transform.weight_decay is None
-            and not callable(transform.learning_rate))
+    return (isinstance(transform, Chain) and type(transform.rule) is SGDStep and not transform.rule.momentum
+            and transform.weight_decay is None and not callable(transform.learning_rate))
 
 
 def check_trainable(dtype: np.dtype, name: str, optimizer: str) -> None:

@@ -64,7 +64,7 @@ from daskps.errors import CancelledError, PSUnavailableError, RollbackWarning
 from daskps.scheduler.messages import BATCH_TOPIC_PREFIX, BIG, ERROR, LOST, FunctionReport, load_error
 from daskps.trainer.datasets import PerWorkerDataset
 from daskps.trainer.messages import run_batch
-from daskps.training.checkpoint import CheckpointManager
+from daskps.training.checkpoint_manager import CheckpointManager
 
 __all__ = ["ClusterCoordinator", "RemoteValue"]
 

@@ -38,10 +38,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["InputLedger", "assign"]
+from daskps.scheduler.messages import CloseInput, OpenInput
 
-# What a trainer hears when it has nothing more to read.
-END = "end"
+__all__ = ["InputLedger", "Inputs", "assign"]
 
 
 def assign(rows: list[int], holders: list[set[str]], trainers: list[str]) -> tuple[dict[str, list[int]], int]:
@@ -282,3 +281,38 @@ class InputLedger:
                     left.clear()
         for q in self.queues.values():
             q.reading.pop(name, None)
+
+
+class Inputs:
+    """The scheduler plugin's input job: one :class:`InputLedger` per ``dps.data`` dataset."""
+
+    def __init__(self) -> None:
+        self.ledgers: dict[str, InputLedger] = {}
+
+    def add(self, request: OpenInput) -> None:
+        self.ledgers[request.dataset] = InputLedger(request.keys, request.rows, request.trainers, request.resource,
+                                                    **request.options)
+
+    def drop(self, request: CloseInput) -> None:
+        self.ledgers.pop(request.dataset, None)
+
+    def claim(self, scheduler: Any, dataset: str, iterator: int, name: str, address: str,
+              function: int | None = None, n: int = 0, want: int = 1,
+              started: list[int] | None = None) -> dict[str, Any]:
+        """A trainer reading ``dataset`` asks for its next partitions (or, exactly once, its batch)."""
+        ledger = self.ledgers.get(dataset)
+        if ledger is None:
+            return {"gone": True}
+        if ledger.exactly_once:
+            return ledger.claim_batch(scheduler, iterator, name, address, function, n)
+        return ledger.claim(scheduler, iterator, name, address, want, started or ())
+
+    def functions_reported(self, topic: str, safe: list[int]) -> None:
+        """Functions of ``topic``'s coordinator succeeded for good: their batches are never handed out again."""
+        for ledger in self.ledgers.values():
+            if ledger.topic == topic and ledger.queues:
+                ledger.reported(safe)
+
+    def worker_left(self, worker: str) -> None:
+        for ledger in self.ledgers.values():
+            ledger.lost(worker)

@@ -11,6 +11,7 @@ Keras 3's, checked against Keras' own output in
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np  # noqa: F401  (the examples in the docstrings use it)
@@ -45,7 +46,48 @@ _COMMON = """
     name : str"""
 
 
-class SGD(Optimizer):
+def _rule_field(opt: KerasOptimizer, field: str) -> Any:
+    return getattr(opt.transform.rule, field)
+
+
+class KerasOptimizer(Optimizer):
+    """What every optimizer of Keras' declares once: the learning rate, weight decay, clipping, the sparse mode
+    and the name; a subclass adds only its step rule (:attr:`rule`), whose fields are its hyperparameters.
+
+    Each hyperparameter is an attribute (``opt.beta_1``), and ``get_config()``
+    / ``from_config(config)`` round-trip them, as in Keras.
+    """
+
+    rule: Any  # the step rule's class, of daskps._core.transforms (AdamStep, ...)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for field in cls.rule._fields:  # the rule's hyperparameters, read-only, as attributes
+            setattr(cls, field, property(functools.partial(_rule_field, field=field),
+                                         doc=f"``{field}``, as given (fixed once made)."))
+
+    def __init__(self, rule: Any, learning_rate: Any, weight_decay: float | None, clipnorm: float | None,
+                 clipvalue: float | None, global_clipnorm: float | None, lazy_sparse: bool, name: str):
+        chain = transforms.Chain(rule, check_rate(learning_rate), check_optional(weight_decay, "weight_decay"))
+        super().__init__(chain, lazy_sparse, name, clipnorm, clipvalue, global_clipnorm)
+
+    @property
+    def weight_decay(self) -> float | None:
+        return self._transform.weight_decay
+
+    def get_config(self) -> dict[str, Any]:
+        """The arguments that make this optimizer again (``type(opt).from_config(opt.get_config())``)."""
+        return {"name": self.name, "learning_rate": self._transform.learning_rate,
+                **self._transform.rule._asdict(), "weight_decay": self.weight_decay, "clipnorm": self.clipnorm,
+                "clipvalue": self.clipvalue, "global_clipnorm": self.global_clipnorm,
+                "lazy_sparse": self.lazy_sparse}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> KerasOptimizer:
+        return cls(**config)
+
+
+class SGD(KerasOptimizer):
     """Gradient descent, with optional (Nesterov) momentum, as ``keras.optimizers.SGD``.
 
     >>> opt = SGD(0.1, momentum=0.9)
@@ -54,18 +96,19 @@ class SGD(Optimizer):
     (array([-0.1, -0.1], dtype=float32), array([-0.1, -0.1], dtype=float32))
     """
 
+    rule = transforms.SGDStep
+
     def __init__(self, learning_rate: Any = 0.01, momentum: float = 0.0, nesterov: bool = False,
                  weight_decay: float | None = None, clipnorm: float | None = None, clipvalue: float | None = None,
                  global_clipnorm: float | None = None, lazy_sparse: bool = True, name: str = "SGD"):
         momentum = check_positive(momentum, "momentum", allow_zero=True)
         if momentum > 1:
             raise ValueError(f"momentum must be in [0, 1], got {momentum!r}")
-        transform = transforms.SGDTransform(check_rate(learning_rate), momentum, check_flag(nesterov, "nesterov"),
-                                            check_optional(weight_decay, "weight_decay"))
-        super().__init__(transform, lazy_sparse, name, clipnorm, clipvalue, global_clipnorm)
+        rule = transforms.SGDStep(momentum, check_flag(nesterov, "nesterov"))
+        super().__init__(rule, learning_rate, weight_decay, clipnorm, clipvalue, global_clipnorm, lazy_sparse, name)
 
 
-class Adagrad(Optimizer):
+class Adagrad(KerasOptimizer):
     """Adagrad, as ``keras.optimizers.Adagrad``: ``p -= lr * g / sqrt(acc + epsilon)``.
 
     >>> opt = Adagrad(0.1, initial_accumulator_value=0.0)
@@ -73,24 +116,22 @@ class Adagrad(Optimizer):
     array([-0.1], dtype=float32)
     """
 
+    rule = transforms.AdagradStep
+
     def __init__(self, learning_rate: Any = 0.001, initial_accumulator_value: float = 0.1,
                  epsilon: float = 1e-7, weight_decay: float | None = None, clipnorm: float | None = None,
                  clipvalue: float | None = None, global_clipnorm: float | None = None,
                  lazy_sparse: bool = True, name: str = "Adagrad"):
-        transform = transforms.AdagradTransform(
-            check_rate(learning_rate),
-            check_positive(initial_accumulator_value, "initial_accumulator_value", True),
-            check_positive(epsilon, "epsilon"),
-            check_optional(weight_decay, "weight_decay"),
-        )
-        super().__init__(transform, lazy_sparse, name, clipnorm, clipvalue, global_clipnorm)
+        rule = transforms.AdagradStep(check_positive(initial_accumulator_value, "initial_accumulator_value", True),
+                                      check_positive(epsilon, "epsilon"))
+        super().__init__(rule, learning_rate, weight_decay, clipnorm, clipvalue, global_clipnorm, lazy_sparse, name)
 
 
 def _betas(beta_1: Any, beta_2: Any) -> tuple[float, float]:
     return check_unit(beta_1, "beta_1"), check_unit(beta_2, "beta_2")
 
 
-class Adam(Optimizer):
+class Adam(KerasOptimizer):
     """Adam, as ``keras.optimizers.Adam`` (``amsgrad`` included).
 
     The bias correction uses the number of updates the variable has had,
@@ -101,14 +142,15 @@ class Adam(Optimizer):
     array([-0.1], dtype=float32)
     """
 
+    rule = transforms.AdamStep
+
     def __init__(self, learning_rate: Any = 0.001, beta_1: float = 0.9, beta_2: float = 0.999,
                  epsilon: float = 1e-7, amsgrad: bool = False, weight_decay: float | None = None,
                  clipnorm: float | None = None, clipvalue: float | None = None,
                  global_clipnorm: float | None = None, lazy_sparse: bool = True, name: str = "Adam"):
-        transform = transforms.AdamTransform(check_rate(learning_rate), *_betas(beta_1, beta_2),
-                                             check_positive(epsilon, "epsilon"), check_flag(amsgrad, "amsgrad"),
-                                             check_optional(weight_decay, "weight_decay"))
-        super().__init__(transform, lazy_sparse, name, clipnorm, clipvalue, global_clipnorm)
+        rule = transforms.AdamStep(*_betas(beta_1, beta_2), check_positive(epsilon, "epsilon"),
+                                   check_flag(amsgrad, "amsgrad"))
+        super().__init__(rule, learning_rate, weight_decay, clipnorm, clipvalue, global_clipnorm, lazy_sparse, name)
 
 
 class AdamW(Adam):
@@ -129,7 +171,7 @@ class AdamW(Adam):
                          global_clipnorm, lazy_sparse, name)
 
 
-class RMSprop(Optimizer):
+class RMSprop(KerasOptimizer):
     """RMSprop, as ``keras.optimizers.RMSprop``: steps divided by a moving root mean square of the gradients.
 
     ``rho`` is the moving average's decay; ``momentum > 0`` accumulates the
@@ -141,18 +183,18 @@ class RMSprop(Optimizer):
     array([-0.1], dtype=float32)
     """
 
+    rule = transforms.RMSpropStep
+
     def __init__(self, learning_rate: Any = 0.001, rho: float = 0.9, momentum: float = 0.0, epsilon: float = 1e-7,
                  centered: bool = False, weight_decay: float | None = None, clipnorm: float | None = None,
                  clipvalue: float | None = None, global_clipnorm: float | None = None,
                  lazy_sparse: bool = True, name: str = "RMSprop"):
-        transform = transforms.RMSpropTransform(
-            check_rate(learning_rate), check_unit(rho, "rho", high_open=False), check_positive(momentum, "momentum", True),
-            check_positive(epsilon, "epsilon", True), check_flag(centered, "centered"),
-            check_optional(weight_decay, "weight_decay"))
-        super().__init__(transform, lazy_sparse, name, clipnorm, clipvalue, global_clipnorm)
+        rule = transforms.RMSpropStep(check_unit(rho, "rho", high_open=False), check_positive(momentum, "momentum", True),
+                                      check_positive(epsilon, "epsilon", True), check_flag(centered, "centered"))
+        super().__init__(rule, learning_rate, weight_decay, clipnorm, clipvalue, global_clipnorm, lazy_sparse, name)
 
 
-class Ftrl(Optimizer):
+class Ftrl(KerasOptimizer):
     """Follow The Regularized Leader, as ``keras.optimizers.Ftrl``.
 
     Arguments and their checks are Keras': ``learning_rate_power <= 0``;
@@ -164,6 +206,8 @@ class Ftrl(Optimizer):
     array([0.], dtype=float32)
     """
 
+    rule = transforms.FtrlStep
+
     def __init__(self, learning_rate: Any = 0.001, learning_rate_power: float = -0.5,
                  initial_accumulator_value: float = 0.1, l1_regularization_strength: float = 0.0,
                  l2_regularization_strength: float = 0.0, l2_shrinkage_regularization_strength: float = 0.0,
@@ -172,17 +216,17 @@ class Ftrl(Optimizer):
                  lazy_sparse: bool = True, name: str = "Ftrl"):
         if not is_number(learning_rate_power) or learning_rate_power > 0:
             raise ValueError(f"learning_rate_power must be a number <= 0, got {learning_rate_power!r}")
-        transform = transforms.FtrlTransform(
-            check_rate(learning_rate), float(learning_rate_power),
+        rule = transforms.FtrlStep(
+            float(learning_rate_power),
             check_positive(initial_accumulator_value, "initial_accumulator_value", True),
             check_positive(l1_regularization_strength, "l1_regularization_strength", True),
             check_positive(l2_regularization_strength, "l2_regularization_strength", True),
             check_positive(l2_shrinkage_regularization_strength, "l2_shrinkage_regularization_strength", True),
-            check_positive(beta, "beta", True), check_optional(weight_decay, "weight_decay"))
-        super().__init__(transform, lazy_sparse, name, clipnorm, clipvalue, global_clipnorm)
+            check_positive(beta, "beta", True))
+        super().__init__(rule, learning_rate, weight_decay, clipnorm, clipvalue, global_clipnorm, lazy_sparse, name)
 
 
-class Adamax(Optimizer):
+class Adamax(KerasOptimizer):
     """Adamax, as ``keras.optimizers.Adamax``: Adam with an infinity norm of the gradients in place of ``v``.
 
     >>> opt = Adamax(0.1)
@@ -190,16 +234,17 @@ class Adamax(Optimizer):
     array([-0.1], dtype=float32)
     """
 
+    rule = transforms.AdamaxStep
+
     def __init__(self, learning_rate: Any = 0.001, beta_1: float = 0.9, beta_2: float = 0.999,
                  epsilon: float = 1e-7, weight_decay: float | None = None, clipnorm: float | None = None,
                  clipvalue: float | None = None, global_clipnorm: float | None = None,
                  lazy_sparse: bool = True, name: str = "Adamax"):
-        transform = transforms.AdamaxTransform(check_rate(learning_rate), *_betas(beta_1, beta_2),
-                                               check_positive(epsilon, "epsilon"), check_optional(weight_decay, "weight_decay"))
-        super().__init__(transform, lazy_sparse, name, clipnorm, clipvalue, global_clipnorm)
+        rule = transforms.AdamaxStep(*_betas(beta_1, beta_2), check_positive(epsilon, "epsilon"))
+        super().__init__(rule, learning_rate, weight_decay, clipnorm, clipvalue, global_clipnorm, lazy_sparse, name)
 
 
-class Nadam(Optimizer):
+class Nadam(KerasOptimizer):
     """Nadam (Adam with Nesterov momentum), as ``keras.optimizers.Nadam``.
 
     Keras keeps a running product of momentum-decay terms (``u_product``),
@@ -214,16 +259,17 @@ class Nadam(Optimizer):
     (1, True)
     """
 
+    rule = transforms.NadamStep
+
     def __init__(self, learning_rate: Any = 0.001, beta_1: float = 0.9, beta_2: float = 0.999,
                  epsilon: float = 1e-7, weight_decay: float | None = None, clipnorm: float | None = None,
                  clipvalue: float | None = None, global_clipnorm: float | None = None,
                  lazy_sparse: bool = True, name: str = "Nadam"):
-        transform = transforms.NadamTransform(check_rate(learning_rate), *_betas(beta_1, beta_2),
-                                              check_positive(epsilon, "epsilon"), check_optional(weight_decay, "weight_decay"))
-        super().__init__(transform, lazy_sparse, name, clipnorm, clipvalue, global_clipnorm)
+        rule = transforms.NadamStep(*_betas(beta_1, beta_2), check_positive(epsilon, "epsilon"))
+        super().__init__(rule, learning_rate, weight_decay, clipnorm, clipvalue, global_clipnorm, lazy_sparse, name)
 
 
-class Lion(Optimizer):
+class Lion(KerasOptimizer):
     """Lion, as ``keras.optimizers.Lion``: steps of size ``learning_rate`` along the sign of a momentum mix.
 
     As Keras, ``beta_1`` must be in (0, 1] (at 0 it would be sign descent).
@@ -233,13 +279,14 @@ class Lion(Optimizer):
     array([0.1], dtype=float32)
     """
 
+    rule = transforms.LionStep
+
     def __init__(self, learning_rate: Any = 0.001, beta_1: float = 0.9, beta_2: float = 0.99,
                  weight_decay: float | None = None, clipnorm: float | None = None, clipvalue: float | None = None,
                  global_clipnorm: float | None = None, lazy_sparse: bool = True, name: str = "Lion"):
-        transform = transforms.LionTransform(
-            check_rate(learning_rate), check_unit(beta_1, "beta_1", low_open=True, high_open=False),
-            check_unit(beta_2, "beta_2", high_open=False), check_optional(weight_decay, "weight_decay"))
-        super().__init__(transform, lazy_sparse, name, clipnorm, clipvalue, global_clipnorm)
+        rule = transforms.LionStep(check_unit(beta_1, "beta_1", low_open=True, high_open=False),
+                                   check_unit(beta_2, "beta_2", high_open=False))
+        super().__init__(rule, learning_rate, weight_decay, clipnorm, clipvalue, global_clipnorm, lazy_sparse, name)
 
 
 # The arguments every optimizer shares are described once, and shown by help() on each.

@@ -261,13 +261,13 @@ class Optimizer:
         for r in self._refs:
             r.recipe = recipe
 
-    def __getattr__(self, name: str) -> Any:
-        transform = self.__dict__.get("_transform")
-        if transform is not None and name in transform._fields:
-            return getattr(transform, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
     # -- the pure part ----------------------------------------------------------
+    @property
+    def transform(self) -> Any:
+        """The pure transform the servers run for this optimizer (a :class:`daskps._core.transforms.Chain`
+        for Keras' optimizers)."""
+        return self._transform
+
     def init(self, param: np.ndarray) -> Any:
         """The state for ``param``: a NamedTuple of ``count`` and slot arrays."""
         return self._transform.init(param)

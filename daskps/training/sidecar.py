@@ -50,7 +50,7 @@ from daskps.distribute.dask_data import (
     to_numpy,
     unpublish_later,
 )
-from daskps.training.checkpoint import committed_numbers
+from daskps.training.manifest import committed_numbers
 
 __all__ = ["SidecarEvaluator"]
 

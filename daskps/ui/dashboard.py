@@ -58,7 +58,7 @@ def page_html(rows: list[dict[str, Any]], rates: dict[str, tuple[float, float]],
                      sum("/part_" in n for n in names), f"{reads:,.1f}", f"{updates:,.1f}", "ok"]
         body.append("<tr>" + "".join(_cell(c) for c in cells) + "</tr>")
     plugin = scheduler.plugins.get(PLUGIN_NAME)
-    counts = plugin.trainer_counts() if plugin is not None else {}
+    counts = plugin.reports.trainer_counts() if plugin is not None else {}
     live = {str(ws.name): ws.address for ws in scheduler.workers.values() if ws.resources.get("worker")}
     trainers = []
     for name in sorted(set(live) | set(counts), key=natural_key):  # those gone keep the counts they made
@@ -104,12 +104,12 @@ def daskps_doc(scheduler: Any, extra: Any, doc: Any) -> None:
 
     async def refresh() -> None:
         plugin = scheduler.plugins.get(PLUGIN_NAME)
-        rows = plugin.server_snapshot if plugin is not None else []  # the plugin asks the servers, once a tick
+        rows = plugin.telemetry.server_snapshot if plugin is not None else []  # the plugin asks the servers, once a tick
         if rows is shown[0]:
             return  # nothing new since the last refresh
         shown[0] = rows
-        if plugin is not None and plugin.servers and not rows:  # opened before the plugin's first look
-            rows = await plugin.fetch_server_stats(setting("display_timeout"))
+        if plugin is not None and plugin.places.servers and not rows:  # opened before the plugin's first look
+            rows = await plugin.places.stats(scheduler.rpc, setting("display_timeout"))
         rates = {}
         for r in rows:
             if "error" in r:

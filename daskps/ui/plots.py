@@ -351,7 +351,7 @@ def make_app(kind: type[Page]) -> Callable[[Any, Any, Any], None]:
                 note.text = "<p>No parameter servers yet: create a ParameterServerStrategy on this cluster.</p>"
                 return
             note.text = ""
-            page.update(plugin.timeline)
+            page.update(plugin.telemetry.timeline)
 
         doc.title = page.title
         doc.add_root(column(note, *page.roots(), sizing_mode="stretch_width"))

@@ -77,7 +77,7 @@ class DaskPSCollector:
             families[name] = make(start + name, text, labels=["scheduler", *extra])
         for plugin in list(self.plugins):
             scheduler = getattr(plugin.scheduler, "address", "") or ""
-            for row in plugin.server_snapshot:
+            for row in plugin.telemetry.server_snapshot:
                 labels = [scheduler, server_name(row), row["address"], strategy_token(row["key"])]
                 families["server_up"].add_metric(labels, 0.0 if "error" in row else 1.0)
                 if "error" in row:
@@ -89,18 +89,18 @@ class DaskPSCollector:
                 families["server_bytes_sent"].add_metric(labels, row["bytes_read"])
                 families["server_bytes_received"].add_metric(labels, row["bytes_received"])
                 families["server_messages"].add_metric(labels, row["messages"])
-            for token, stats in plugin.coordinator_stats.items():
+            for token, stats in plugin.reports.coordinator_stats.items():
                 labels = [scheduler, token]
                 for name, field in (("functions_scheduled", "scheduled"), ("functions_completed", "done"),
                                     ("functions_failed", "failed"), ("functions_cancelled", "cancelled"),
                                     ("functions_rerun", "rerun"), ("functions_in_flight", "in_flight"),
                                     ("recoveries", "recoveries")):
                     families[name].add_metric(labels, stats.get(field, 0))
-            for trainer, counts in plugin.trainer_counts().items():
+            for trainer, counts in plugin.reports.trainer_counts().items():
                 families["trainer_functions_completed"].add_metric([scheduler, trainer], counts.completed)
                 families["trainer_functions_failed"].add_metric([scheduler, trainer], counts.failed)
                 families["trainer_functions_rerun"].add_metric([scheduler, trainer], counts.rerun)
-            saves = plugin.checkpoint_saves
+            saves = plugin.telemetry.checkpoint_saves
             families["checkpoint_saves"].add_metric([scheduler], saves["count"])
             families["checkpoint_save_seconds"].add_metric([scheduler], saves["seconds"])
             families["checkpoint_bytes"].add_metric([scheduler], saves["bytes"])
