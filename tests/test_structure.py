@@ -11,7 +11,7 @@ import pytest
 
 import daskps as dps
 from daskps._core.updates import check_update
-from daskps.client import protocol
+from daskps.client import protocol, refs
 from daskps.client.worker_state import WORKER_PLUGIN_NAME
 from daskps.errors import PartlyAppliedError, PSUnavailableError
 from daskps.server import ops
@@ -72,7 +72,7 @@ def test_a_new_table_kind_is_one_class_on_the_server(strategy):
     server = strategy.servers[0]
     made = protocol.create([protocol.table(server, "counted@test", "counted", RowCountSpec(5))], strategy.group)
     assert made == [ops.Created((5,), "counted", False)]
-    ref = dps.ps.refs.owned(server, "counted@test", "counted", strategy.group)  # freed when the test drops it
+    ref = refs.owned(server, "counted@test", "counted", strategy.group)  # freed when the test drops it
 
     protocol.update([(ref, "scatter_add", (np.array([1, 1, 4]), np.array([1.0, 2.0, 5.0])))])
     assert protocol.read([(ref, np.array([1, 4, 4]))])[0].tolist() == [3.0, 5.0, 5.0]

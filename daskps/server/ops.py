@@ -78,7 +78,8 @@ class HashRestoreSpec(NamedTuple):
 KEYS_TENSOR, UPDATED_TENSOR, USED_TENSOR, CLOCKS_TENSOR = "/.KEYS", "/.LAST_UPDATED", "/.LAST_USED", "/.CLOCKS"
 SAVED_TENSORS = ("", KEYS_TENSOR, UPDATED_TENSOR, USED_TENSOR, CLOCKS_TENSOR)
 
-TableSpec = Union[DenseSpec, HashSpec]  # what a Create carries
+# What a Create carries: one of these, or another kind's spec with build(name) -> (table, sliced).
+TableSpec = Union[DenseSpec, HashSpec, Any]
 
 
 class Create(NamedTuple):

@@ -386,8 +386,14 @@ def _nbytes(payload: Any) -> int:
     return 0
 
 
-def _build(spec: ops.TableSpec, name: str) -> tuple[Table, bool]:
-    """The table a ``Create`` makes from ``spec``, and whether its initializer built more than this part."""
+def _build(spec: Any, name: str) -> tuple[Table, bool]:
+    """The table a ``Create`` makes from ``spec``, and whether its initializer built more than this part.
+
+    The two kinds daskps has are built here; another kind's spec builds its own table (``spec.build(name)``),
+    so that a new kind is one class and its spec, and nothing here changes.
+    """
     if isinstance(spec, ops.HashSpec):
         return HashTable(name, spec), False
-    return DenseTable.build(spec, name)
+    if isinstance(spec, ops.DenseSpec):
+        return DenseTable.build(spec, name)
+    return spec.build(name)
