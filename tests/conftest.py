@@ -27,6 +27,8 @@ import daskps as dps
 from daskps._core.transforms import SGDState
 from daskps.distribute.cluster import cluster_workers
 
+from .helpers.waiting import wait_until
+
 # Worker processes of the clusters made here fork from one process that has imported Dask, numpy and
 # pandas already (Dask's own test suite does the same): a cluster starts in 0.4 s instead of 2 s. Scripts
 # and notebooks the tests run in a process of their own keep Dask's default (spawn).
@@ -37,11 +39,13 @@ collect_ignore_glob = ["data/*", "mutation/*"]  # mutation/: tools for mutation 
 
 
 # -- `pytest --in-process`: the tests that start no cluster and no process (mutation testing's selection)
-
+# A test starts a cluster or a process when it takes one of these fixtures, or carries the `cluster` mark
+# (pyproject.toml registers it; a module whose every test does sets it in `pytestmark`).
 _CLUSTER_FIXTURES = {"cluster", "client", "strategy", "coordinator", "fresh_cluster"}
-# What in a test's or a fixture's source starts a cluster (in this process too) or another process.
-_STARTS_PROCESSES = ("LocalPSCluster", "Client(", "Scheduler(", "Worker(", "dask_cli_cluster", "subprocess", "Popen", "two_ps_training",
-                     "sys.executable", "nbclient", "playwright", "sphinx", "sybil")
+# A guard, not the selection: words in a test's source (or its module's helpers') that start a cluster or a
+# process. A test --in-process selects whose source has one lacks its mark, and the run stops, naming it.
+_STARTS_PROCESSES = ("LocalPSCluster", "Client(", "Scheduler(", "Worker(", "dask_cli_cluster", "subprocess", "Popen",
+                     "two_ps_training", "sys.executable", "nbclient", "playwright", "sphinx")
 
 
 def pytest_addoption(parser):
@@ -52,7 +56,7 @@ def pytest_addoption(parser):
 
 
 def _starts_processes(fn, seen=None) -> bool:
-    """Whether ``fn``, or a function of its module that it calls, starts a cluster or a process."""
+    """Whether ``fn``, or a function of its module that it calls, has a word of ``_STARTS_PROCESSES``."""
     seen = set() if seen is None else seen
     if fn in seen:
         return False
@@ -70,15 +74,21 @@ def _starts_processes(fn, seen=None) -> bool:
 
 
 def _in_process(item) -> bool:
+    """By its mark and its fixtures: whether the test starts no cluster and no process."""
     if isinstance(item, DoctestItem):
         return True
-    if not isinstance(item, pytest.Function) or _CLUSTER_FIXTURES & set(item.fixturenames):
-        return False
-    if _starts_processes(item.function):
+    return (isinstance(item, pytest.Function) and item.get_closest_marker("cluster") is None
+            and not _CLUSTER_FIXTURES & set(item.fixturenames))
+
+
+def _unmarked(item) -> bool:
+    """A test selected as in-process whose code (or a fixture's) looks as if it started a process."""
+    if isinstance(item, DoctestItem):
         return False
     manager = item.session._fixturemanager
-    return not any(_starts_processes(d.func) for name in item.fixturenames
-                   for d in manager.getfixturedefs(name, item) or () if d.baseid)
+    return _starts_processes(item.function) or any(
+        _starts_processes(d.func) for name in item.fixturenames for d in manager.getfixturedefs(name, item) or ()
+        if d.baseid)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -86,6 +96,10 @@ def pytest_collection_modifyitems(config, items):
         return
     files = {pathlib.Path(f).resolve() for f in config.getoption("--and-cluster-tests-in")}
     keep = [item for item in items if _in_process(item) or item.path.resolve() in files]
+    unmarked = [item.nodeid for item in keep if item.path.resolve() not in files and _unmarked(item)]
+    if unmarked:
+        raise pytest.UsageError("these tests start a cluster or a process but carry no @pytest.mark.cluster: "
+                                + ", ".join(unmarked))
     config.hook.pytest_deselected(items=[item for item in items if item not in keep])
     items[:] = keep
 
@@ -172,10 +186,8 @@ def wait_done(coordinator, n: int, timeout: float = 60) -> None:
 
 def wait_for_summary(coordinator, ok, timeout: float = 60) -> None:
     """Wait until ``ok(coordinator.summary())`` (which raises nothing, unlike join())."""
-    deadline = time.monotonic() + timeout
-    while not ok(coordinator.summary()):
-        assert time.monotonic() < deadline, coordinator.summary()
-        time.sleep(0.01)
+    wait_until(lambda: ok(coordinator.summary()), timeout, failure=lambda: coordinator.summary(), interval=0.01,
+               collect=False)
 
 
 def wait_for_recovery(coordinator, count: int = 1, timeout: float = 60) -> None:
@@ -184,10 +196,8 @@ def wait_for_recovery(coordinator, count: int = 1, timeout: float = 60) -> None:
     After a SIGKILL, before ``join()``: the functions still pending may all
     finish before the loss is noticed, and ``join()`` would then return at once.
     """
-    deadline = time.monotonic() + timeout
-    while not (coordinator.recovery_state.name == "RECOVERING" or len(coordinator.recoveries) >= count):
-        assert time.monotonic() < deadline, "a parameter server was killed, but no recovery began"
-        time.sleep(0.02)
+    wait_until(lambda: coordinator.recovery_state.name == "RECOVERING" or len(coordinator.recoveries) >= count,
+               timeout, failure="a parameter server was killed, but no recovery began", interval=0.02, collect=False)
 
 
 def kill_for_good(cluster, client: Client, name: str) -> str:
@@ -241,16 +251,15 @@ def _running(address: str, dask_scheduler=None) -> bool:
 def wait_for_worker(client: Client, name: str, old_address: str | None, timeout: float = 60) -> str:
     """Wait until the Nanny has brought ``name`` back at a new address (or a new worker ``name`` came),
     and the scheduler sees it running (a worker still starting, its plugins being set up, takes no tasks)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def back() -> str | None:
         try:
             addr = worker_address(client, name)
-            if addr != old_address and client.run_on_scheduler(_running, addr):
-                return addr
         except LookupError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"worker {name} did not come back in {timeout}s")
+            return None
+        return addr if addr != old_address and client.run_on_scheduler(_running, addr) else None
+
+    return wait_until(back, timeout, failure=f"worker {name} did not come back in {timeout}s", interval=0.1,
+                      collect=False)
 
 
 def _start(args, env):
@@ -262,10 +271,7 @@ def start_dask_scheduler(tmp_path, procs: list, env, args=()) -> str:
     sched_file = tmp_path / "scheduler.json"
     procs.append(_start(["distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", "0",
                          "--dashboard-address", "127.0.0.1:0", "--scheduler-file", str(sched_file), *args], env))
-    deadline = time.monotonic() + 60
-    while not sched_file.exists():
-        assert time.monotonic() < deadline, "dask scheduler did not start"
-        time.sleep(0.05)
+    wait_until(sched_file.exists, 60, failure="dask scheduler did not start", collect=False)
     return json.loads(sched_file.read_text())["address"]
 
 

@@ -39,7 +39,7 @@ def test_an_oserror_raised_by_the_server_is_its_answer_not_a_lost_server(strateg
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     with pytest.raises(NotADirectoryError, match="Not a directory") as raised:  # the server cannot make its directory under a file
-        protocol.save(str(blocker / "ckpt"), [(v._ref, "v", 0, [])])
+        protocol.save(str(blocker / "ckpt"), [(v.handle, "v", 0, [])])
     assert not isinstance(raised.value, PSUnavailableError), raised.value
     assert v.numpy().tolist() == [1.0]  # and the channel still answers in step
 

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import fsspec
 import numpy as np
@@ -20,6 +19,8 @@ from fsspec.implementations.memory import MemoryFileSystem
 import daskps as dps
 from tests.helpers.checkpoints import build, train, values
 from tests.helpers.variables import calls
+
+from .helpers.waiting import wait_until
 
 
 def test_save_and_restore_round_trip(client, tmp_path):
@@ -169,6 +170,7 @@ def threaded():
         yield client
 
 
+@pytest.mark.cluster
 def test_memory_filesystem(threaded):
     _, table, dense, opt, loss = build(threaded, 2)
     manager = dps.CheckpointManager(dps.Checkpoint(table=table, dense=dense), "memory://daskps-test/run")
@@ -181,6 +183,7 @@ def test_memory_filesystem(threaded):
     np.testing.assert_array_equal(np.asarray(table), saved)
 
 
+@pytest.mark.cluster
 def test_failed_save_leaves_previous_checkpoint_whole_and_unlisted(threaded):
     fsspec.register_implementation("flakymem", FlakyMemory, clobber=True)
     strategy = dps.ParameterServerStrategy(threaded)
@@ -233,6 +236,7 @@ KILLED_SAVE = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.cluster
 def test_coordinator_killed_during_save(tmp_path):
     script = tmp_path / "killed_save.py"
     script.write_text(KILLED_SAVE)
@@ -241,10 +245,8 @@ def test_coordinator_killed_during_save(tmp_path):
                             text=True, start_new_session=True)
     try:
         assert proc.stdout.readline().strip() == "saving"
-        deadline = time.monotonic() + 30
-        while not (directory / "ckpt-2").exists():
-            assert time.monotonic() < deadline, "the second save never started"
-            time.sleep(0.05)
+        wait_until(lambda: (directory / 'ckpt-2').exists(), 30,
+                   failure="the second save never started", interval=0.05, collect=False)
         os.killpg(proc.pid, signal.SIGKILL)
     finally:
         proc.wait(timeout=30)

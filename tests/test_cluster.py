@@ -15,6 +15,8 @@ from tests.conftest import dask_cli_cluster
 
 from .conftest import kill_worker, wait_for_worker
 
+pytestmark = pytest.mark.cluster  # every test here starts a cluster or a process
+
 
 def test_workers_have_their_resources_and_names(client):
     workers = cluster_workers(client).values()

@@ -13,6 +13,7 @@ import daskps as dps
 
 from .conftest import dask_cli_cluster
 from .helpers.pickles import Expensive, _unpickles
+from .helpers.waiting import wait_until
 
 PACKAGE = pathlib.Path(dps.__file__).resolve().parent
 YAML = PACKAGE / "daskps.yaml"
@@ -109,6 +110,7 @@ def test_the_defaults_are_registered_with_dask():
         assert dask.config.get("daskps.max-batch") == 7
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(180)
 def test_an_environment_variable_takes_effect_on_the_worker(tmp_path):
     env = {"DASK_DASKPS__FUNCTION_CACHE_SIZE": "0", "DASK_DASKPS__DATA__SHUFFLE_BUFFER_ROWS": "123"}
@@ -129,6 +131,7 @@ def test_an_environment_variable_takes_effect_on_the_worker(tmp_path):
         assert sum(client.run(_unpickles).values()) == 20
 
 
+@pytest.mark.cluster
 def test_a_bad_metrics_interval_is_logged_once_and_the_scheduler_looks_every_second(caplog):
     """The scheduler's refresh loop must not stop on it, nor fall back without a word."""
     import logging
@@ -139,10 +142,8 @@ def test_a_bad_metrics_interval_is_logged_once_and_the_scheduler_looks_every_sec
     with dask.config.set({"daskps.metrics-interval": "soon"}), caplog.at_level(logging.ERROR, "daskps.scheduler.plugin"), \
             dps.LocalPSCluster(num_ps=1, num_workers=1, processes=False) as cluster, Client(cluster) as client:
         strategy = dps.ParameterServerStrategy(client)
-        deadline = time.monotonic() + 30
-        while not any(f"scheduler at {cluster.scheduler_address} " in r.getMessage() for r in caplog.records):
-            assert time.monotonic() < deadline, caplog.text
-            time.sleep(0.1)
+        wait_until(lambda: any((f'scheduler at {cluster.scheduler_address} ' in r.getMessage() for r in caplog.records)), 30,
+                   failure=lambda: caplog.text, interval=0.1, collect=False)
         time.sleep(2.5)  # two more looks, a second apart: said once (by this scheduler: the suite's own
         # cluster may run one in this process too, which reads the same config)
         here = cluster.scheduler_address

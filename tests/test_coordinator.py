@@ -12,6 +12,7 @@ from daskps.errors import CancelledError, ClosedError, PSUnavailableError
 from daskps.scheduler.messages import LOST
 
 from .conftest import kill_worker, wait_for_worker, worker_address
+from .helpers.waiting import wait_until
 
 
 def _sized(n):
@@ -73,12 +74,11 @@ def test_each_function_reports_how_long_it_ran(coordinator, client):
     for _ in range(4):
         coordinator.schedule(time.sleep, args=(0.25,))
     coordinator.join()
-    deadline = time.monotonic() + 30
-    while True:  # the reports reach the plugin through the scheduler
-        new = [s for d in client.run_on_scheduler(_durations_seen).values() for s in d]
-        if len(new) >= 4 or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    def durations():  # the reports reach the plugin through the scheduler
+        return [s for d in client.run_on_scheduler(_durations_seen).values() for s in d]
+
+    wait_until(lambda: len(durations()) >= 4, 30, failure=lambda: durations(), collect=False)
+    new = durations()
     assert len(new) == 4 and all(0.25 <= s < 2.0 for s in new), new
 
 
@@ -222,14 +222,16 @@ def test_a_batch_already_running_stops_at_its_next_function_once_cancelled(strat
             coordinator.schedule(_slow_counted, args=(runs, i))
     with pytest.raises(Boom, match="first"):
         coordinator.join()
-    ran, still = np.flatnonzero(runs.numpy()), 0
-    deadline = time.monotonic() + 30
-    while still < 10:  # until no function has run for 1 s (had the other batch gone on: all 20, 0.2 s each)
-        assert time.monotonic() < deadline, f"functions kept running: {ran}"
-        time.sleep(0.1)
+    seen = {"ran": np.flatnonzero(runs.numpy()), "still": 0}
+
+    def settled():  # no function has run for 1 s (had the other batch gone on: all 20, 0.2 s each)
         now = np.flatnonzero(runs.numpy())
-        still = still + 1 if len(now) == len(ran) else 0
-        ran = now
+        seen["still"] = seen["still"] + 1 if len(now) == len(seen["ran"]) else 0
+        seen["ran"] = now
+        return seen["still"] >= 10
+
+    wait_until(settled, 30, failure=lambda: f"functions kept running: {seen['ran']}", interval=0.1, collect=False)
+    ran = seen["ran"]
     assert all(40 <= i < 60 for i in ran), ran  # the failing batch started nothing after its error
     assert 1 <= len(ran) <= 10, f"the other batch ran {len(ran)} of its 20 functions, most after the cancellation"
     with pytest.raises(Boom, match="first"):
@@ -262,20 +264,18 @@ def test_first_error_wins(coordinator, client):
     def batches(dask_scheduler):  # this coordinator's batches the scheduler still knows
         return [key for key in dask_scheduler.tasks if key.startswith("daskps-batch-") and key.endswith(token)]
 
-    deadline = time.monotonic() + 30
-    while client.run_on_scheduler(batches):  # join() cancels them as it raises; the scheduler forgets them
-        assert time.monotonic() < deadline, "the late function's batch was never cancelled"
-        time.sleep(0.01)
+    # join() cancels them as it raises; the scheduler forgets them
+    wait_until(lambda: not client.run_on_scheduler(batches), 30,
+               failure="the late function's batch was never cancelled", interval=0.01, collect=False)
     Event(name, client=client).set()  # the second failure comes after the first was raised: not raised again
     assert Event(f"{name}-raised", client=client).wait(30), "the late function never raised"
 
     def reported():  # this coordinator's functions whose reports reached the scheduler (its event log)
         return {row[0] for _, (key, rows, *_) in client.get_events(coordinator._topic) if key != LOST for row in rows}
 
-    deadline = time.monotonic() + 30
-    while 1 not in reported():  # the second scheduled (ids count from 0)
-        assert time.monotonic() < deadline, "the late function's report never reached the scheduler"
-        time.sleep(0.01)
+    # the second scheduled (ids count from 0)
+    wait_until(lambda: 1 in reported(), 30,
+               failure="the late function's report never reached the scheduler", interval=0.01, collect=False)
     (late_batch, reported_at), = [(key, at) for at, (key, rows, *_) in client.get_events(coordinator._topic)
                                   if key != LOST and any(row[0] == 1 for row in rows)]
 
@@ -299,21 +299,15 @@ def test_first_error_wins(coordinator, client):
 
 def test_error_surfaces_from_schedule(coordinator):
     coordinator.schedule(_fail_after, args=(0.0, "x"))
-    deadline = time.monotonic() + 30
-    with pytest.raises(Boom):
-        while time.monotonic() < deadline:
-            coordinator.schedule(time.sleep, args=(0.05,))
-            time.sleep(0.05)
+    with pytest.raises(Boom):  # scheduling goes on until a call raises the error
+        wait_until(lambda: coordinator.schedule(time.sleep, args=(0.05,)) is None, 30, collect=False)
     coordinator.join()
 
 
 def test_error_surfaces_from_done(coordinator):
     coordinator.schedule(_fail_after, args=(0.0, "d"))
-    deadline = time.monotonic() + 30
-    with pytest.raises(Boom):
-        while time.monotonic() < deadline:
-            coordinator.done()
-            time.sleep(0.02)
+    with pytest.raises(Boom):  # done() is asked until it raises the error
+        wait_until(lambda: coordinator.done() is None, 30, interval=0.02, collect=False)
     assert coordinator.done()
 
 
@@ -338,10 +332,8 @@ def test_worker_death_reruns_closures(fresh_cluster):
         remotes = [coordinator.schedule(step) for _ in range(60)]
     victim = client.run(os.getpid, workers=[worker_address(client, "worker-0")])
     (victim,) = victim.values()
-    deadline = time.monotonic() + 60
-    while not any(r.status == "finished" and r.fetch()[1] == victim for r in remotes):
-        assert time.monotonic() < deadline, "worker-0 never finished a function"
-        time.sleep(0.01)
+    wait_until(lambda: any((r.status == 'finished' and r.fetch()[1] == victim for r in remotes)), 60,
+               failure="worker-0 never finished a function", interval=0.01, collect=False)
     old = kill_worker(client, "worker-0")  # part-way through its batch
     coordinator.join()
     ran = [r.fetch() for r in remotes]

@@ -12,7 +12,9 @@ from distributed import Event, Variable
 import daskps as dps
 
 from .conftest import PickySGD, kill_worker, wait_for_summary, wait_for_worker
-from .helpers.waiting import in_thread
+from .helpers.waiting import in_thread, wait_until
+
+pytestmark = pytest.mark.cluster  # every test here starts a cluster or a process
 
 
 def _boom():
@@ -50,10 +52,8 @@ def test_each_thread_waiting_for_a_result_is_counted_until_it_has_it(coordinator
                for i in range(2)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 10
-    while coordinator._fetching != 2:
-        assert time.monotonic() < deadline, f"threads counted waiting: {coordinator._fetching}, not 2"
-        time.sleep(0.005)
+    wait_until(lambda: coordinator._fetching == 2, 10,
+               failure=lambda: f"threads counted waiting: {coordinator._fetching}, not 2", interval=0.005, collect=False)
     assert all(v.status == "pending" for v in values)  # both threads are waiting, neither has its value
     Event(f"go-{tag}", client=client).set()
     for t in threads:
@@ -138,10 +138,9 @@ def test_cancel_stops_the_dask_task_of_a_running_batch_at_once(client):
     assert Event(f"started-{tag}", client=client).wait(10), "no function started"
     assert client.run_on_scheduler(_batch_keys, strategy.token)
     assert coordinator.cancel() == 20
-    deadline = time.monotonic() + 10
-    while client.run_on_scheduler(_batch_keys, strategy.token):  # while the functions still wait for "go"
-        assert time.monotonic() < deadline, "the running batches' Dask tasks were not cancelled"
-        time.sleep(0.02)
+    # while the functions still wait for "go"
+    wait_until(lambda: not client.run_on_scheduler(_batch_keys, strategy.token), 10,
+               failure="the running batches' Dask tasks were not cancelled", interval=0.02, collect=False)
     Event(f"go-{tag}", client=client).set()
     coordinator.schedule(count)
     coordinator.join()
@@ -199,12 +198,16 @@ def test_the_coordinator_counts_a_trainer_that_joins_while_work_is_queued(tmp_pa
 
         extra = cluster.sync(start)
         try:
-            deadline = time.monotonic() + 20
-            while coordinator._trainers != 2:  # counted again as work is dispatched, a second apart
-                assert time.monotonic() < deadline, f"the new trainer was not counted: {coordinator._trainers}"
+            def counted():  # counted again as work is dispatched, a second apart
+                if coordinator._trainers == 2:
+                    return True
                 for _ in range(4):
                     coordinator.schedule(time.sleep, args=(0.1,))
                 coordinator.join()
+                return False
+
+            wait_until(counted, 20, failure=lambda: f"the new trainer was not counted: {coordinator._trainers}",
+                       interval=0, collect=False)
         finally:
             strategy.close()
             cluster.sync(extra.close)
@@ -285,10 +288,9 @@ def test_a_big_result_survives_its_trainer_dying_later_in_the_batch(fresh_cluste
         blocked = coordinator.schedule(_block, args=("edges-big-gate", "edges-big-which"))
         others = [coordinator.schedule(_ok, args=(i,)) for i in range(2)]
     name = which.get(timeout=60)
-    deadline = time.monotonic() + 60
-    while client.run_on_scheduler(_completed_on, name) < 1:  # big has reported (status "big") through
-        assert time.monotonic() < deadline, "big() never reported"  # the scheduler: the plugin counts it done
-        time.sleep(0.02)
+    # big has reported (status "big") through the scheduler: the plugin counts it done
+    wait_until(lambda: client.run_on_scheduler(_completed_on, name) >= 1, 60,
+               failure="big() never reported", interval=0.02, collect=False)
     assert client.run_on_scheduler(_completed_on, name) == 1 and blocked.status == "pending"  # big only
     old = kill_worker(client, name)
     gate.set()
@@ -370,8 +372,8 @@ def test_an_interrupted_read_leaves_the_channel_in_step(strategy, client, tmp_pa
 
     with strategy.scope():
         vs = [dps.Variable(np.full(3, float(i)), name=f"chan_{i}") for i in range(4)]
-    server = vs[0]._ref.server
-    a, b = [v for v in vs if v._ref.server == server][:2]
+    server = vs[0].handle.server
+    a, b = [v for v in vs if v.handle.server == server][:2]
     assert server.channel, "no direct channel on this cluster"
     assert a.numpy().tolist() == [0.0] * 3  # channel open
     expect_b = b.numpy().tolist()

@@ -11,12 +11,15 @@ import urllib.request
 from typing import Any
 
 import numpy as np
+import pytest
 from distributed import Client
 
 import daskps as dps
 from daskps.scheduler.quantities import TrainerCounts
 from daskps.ui.plots import PAGES
 from tests.conftest import dask_cli_cluster
+
+from .helpers.waiting import wait_until
 
 ROUTE = "/individual-daskps"
 
@@ -32,16 +35,21 @@ def page_text(base: str, want: str, timeout: float = 30) -> str:
     the page is opened again until ``want`` is in it (the plugin's numbers arrive once a tick)."""
     from bokeh.client import pull_session
 
-    deadline = time.monotonic() + timeout
-    while True:
+    seen = {"text": ""}
+
+    def shows() -> bool:
         with pull_session(url=base + ROUTE) as session:
             time.sleep(0.3)  # the first refresh runs on the next tick
             session.pull()
             text = re.sub(r"<[^>]+>", " ", session.document.roots[0].text)
-            text = re.sub(r"\s+", " ", text)
-        if want in text or time.monotonic() > deadline:
-            return text
-        time.sleep(0.5)
+            seen["text"] = re.sub(r"\s+", " ", text)
+        return want in seen["text"]
+
+    try:
+        wait_until(shows, timeout, interval=0.5, collect=False)
+    except AssertionError:
+        pass  # the caller's assertions say what is missing
+    return seen["text"]
 
 
 def exercise(client: Client) -> tuple[Any, list[str]]:
@@ -53,7 +61,7 @@ def exercise(client: Client) -> tuple[Any, list[str]]:
     for _ in range(6):
         coordinator.schedule(lambda: table.scatter_add(dps.IndexedSlices(np.ones((1, 4), np.float32), [1])))
     coordinator.join()
-    return (strategy, table), [ps.address for ps in strategy._ps]  # held: dropped variables are freed
+    return (strategy, table), [ps.address for ps in strategy.servers]  # held: dropped variables are freed
 
 
 def check_page(client: Client) -> str:
@@ -72,7 +80,7 @@ def check_page(client: Client) -> str:
     for addr in addresses:
         assert addr in text
     assert "ps-0" in text and "ps-1" in text and "7.81 kiB" in text
-    for ps in held[0]._ps:  # each server's row: its bytes, 1 variable, 1 shard (the headers alone say nothing)
+    for ps in held[0].servers:  # each server's row: its bytes, 1 variable, 1 shard (the headers alone say nothing)
         assert re.search(rf"ps-{ps.task_id} {re.escape(ps.address)} 7\.81 kiB 1 1 [\d.,]+ [\d.,]+ ok", text), text
     trainers = text.split("Trainers", 1)[1]  # counts of 1,000 and more have a separator
     completed = [int(n.replace(",", "")) for n in re.findall(r"tcp://127\.0\.0\.1:\d+ ([\d,]+) [\d,]+ [\d,]+", trainers)]
@@ -85,6 +93,7 @@ def test_page_on_a_local_cluster(client):
     assert "reads/s" in text and "updates/s" in text and "shards" in text
 
 
+@pytest.mark.cluster
 def test_page_on_a_dask_scheduler_started_with_preload(tmp_path):
     with dask_cli_cluster(tmp_path, ["ps=1", "ps=1", "worker=1"], ["--preload", "daskps.dashboard"]) as client:
         check_page(client)

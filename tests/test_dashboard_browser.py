@@ -22,7 +22,7 @@ from daskps.ui.plots import PAGES
 
 CHROMIUM = "/usr/bin/chromium"
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
-pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"no {CHROMIUM} (apt-get install chromium)")
+pytestmark = [pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"no {CHROMIUM} (apt-get install chromium)"), pytest.mark.cluster]
 
 # Each page's figures (by title, as the page names them) and the data sources that must hold points.
 FIGURES = {

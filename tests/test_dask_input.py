@@ -20,6 +20,7 @@ from daskps.scheduler.ledger import assign
 from daskps.scheduler.messages import CloseInput, ask
 
 from .conftest import kill_worker, wait_for_worker
+from .helpers.waiting import wait_until
 
 ROWS = 100_000
 
@@ -231,10 +232,8 @@ def test_a_dropped_dataset_frees_its_partitions(client, coordinator):
     assert client.run_on_scheduler(ledger)
     del ds, it
     gc.collect()
-    deadline = time.monotonic() + 20
-    while client.run_on_scheduler(held) or any(client.run(built).values()) or client.run_on_scheduler(ledger):
-        assert time.monotonic() < deadline, "the partitions, the trainers' readers or the ledger were not released"
-        time.sleep(0.1)
+    wait_until(lambda: not (client.run_on_scheduler(held) or any(client.run(built).values()) or client.run_on_scheduler(ledger)), 20,
+               failure="the partitions, the trainers' readers or the ledger were not released", interval=0.1, collect=False)
 
 
 def _held_keys(client, name):
@@ -250,10 +249,8 @@ def test_closing_the_strategy_frees_the_partitions(client):
     coordinator.schedule(lambda i: next(i), args=(iter(ds),)).fetch()
     assert _held_keys(client, x.name) == 3
     strategy.close()
-    deadline = time.monotonic() + 20
-    while _held_keys(client, x.name):
-        assert time.monotonic() < deadline, "closing the strategy did not release the partitions"
-        time.sleep(0.1)
+    wait_until(lambda: not _held_keys(client, x.name), 20,
+               failure="closing the strategy did not release the partitions", interval=0.1, collect=False)
     with pytest.raises(dps.errors.ClosedError) as err:  # a collection refused as a function is, before any work
         coordinator.create_per_worker_dataset(dps.data.from_dask(x, batch_size=100))
     assert str(err.value) == ("cannot use create_per_worker_dataset: the ParameterServerStrategy it belongs to "
@@ -440,13 +437,12 @@ def test_a_trainer_tells_the_ledger_what_it_started_without_being_asked(client, 
     for trainer, _, batch in coordinator.fetch([coordinator.schedule(_where_and_next, args=(it,)) for _ in range(6)]):
         started.setdefault(trainer, set()).update((batch["id"] // 100).tolist())  # one partition a batch
     # no more reads: only the notes (every 50 ms) can tell it
-    deadline = time.monotonic() + 10
-    while True:
-        ahead = client.run_on_scheduler(_ledger_ahead, name)[1]
-        if not any(set(ahead[trainer]) & parts for trainer, parts in started.items()):
-            break
-        assert time.monotonic() < deadline, (started, ahead)
-        time.sleep(0.05)
+    def ledger_ahead():
+        return client.run_on_scheduler(_ledger_ahead, name)[1]
+
+    wait_until(lambda: not any(set(ledger_ahead()[t]) & parts for t, parts in started.items()), 10,
+               failure=lambda: (started, ledger_ahead()), collect=False)
+    ahead = ledger_ahead()
     for trainer, parts in started.items():
         assert not set(ahead[trainer]) & parts, (trainer, parts, ahead)  # started: told
         assert ahead[trainer], ahead  # handed ahead, not started yet: held for it

@@ -14,6 +14,7 @@ import daskps as dps
 from daskps.distribute.cluster import cluster_workers
 
 from .conftest import kill_worker, wait_for_worker, worker_address
+from .helpers.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -29,10 +30,8 @@ def _read_slowly(iterator, pause):
 
 
 def _wait_done(coordinator, n):
-    deadline = time.monotonic() + 60
-    while coordinator.summary()["done"] < n:
-        assert time.monotonic() < deadline, coordinator.summary()
-        time.sleep(0.02)
+    wait_until(lambda: coordinator.summary()['done'] >= n, 60,
+               failure=lambda: coordinator.summary(), interval=0.02, collect=False)
 
 
 def _kill_for_good(cluster, client, name):
@@ -40,10 +39,8 @@ def _kill_for_good(cluster, client, name):
     cluster.workers[name].auto_restart = False  # the Nanny lives in this process (LocalCluster)
     addr = worker_address(client, name)
     os.kill(client.run(os.getpid, workers=[addr])[addr], signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while name in {w["name"] for w in cluster_workers(client).values()}:
-        assert time.monotonic() < deadline, f"{name} is still in the cluster"
-        time.sleep(0.05)
+    wait_until(lambda: name not in {w['name'] for w in cluster_workers(client).values()}, 30,
+               failure=lambda: f"{name} is still in the cluster", interval=0.05, collect=False)
 
 
 def _partition_of(ids, rows_per_partition):

@@ -17,6 +17,7 @@ from daskps.distribute.cluster import cluster_workers
 from daskps.errors import NotScheduledError, OutOfRangeError
 
 from .conftest import datasets_built, kill_worker, set_trainer_slots, wait_for_worker
+from .helpers.waiting import wait_until
 
 
 def _next(iterator):
@@ -61,11 +62,13 @@ def test_dataset_is_built_on_workers_never_here(coordinator):
 def _read_on_both(coordinator, it) -> dict[str, list[int]]:
     """Read ``it`` until both trainers have read from it: ``{trainer: values read there, in order}``."""
     seen: dict[str, list[int]] = {}
-    deadline = time.monotonic() + 60
-    while len(seen) < 2:
-        assert time.monotonic() < deadline, f"one trainer ran every function: {seen}"
+
+    def both():
         for name, value in coordinator.fetch([coordinator.schedule(_where_and_next, args=(it,)) for _ in range(8)]):
             seen.setdefault(name, []).append(value)
+        return len(seen) >= 2
+
+    wait_until(both, 60, failure=lambda: f"one trainer ran every function: {seen}", interval=0, collect=False)
     return seen
 
 
@@ -247,10 +250,8 @@ def test_worker_that_joins_later_builds_its_own(fresh_cluster, tmp_path):
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + 60
-        while "late-worker" not in {w["name"] for w in cluster_workers(client).values()}:
-            assert time.monotonic() < deadline, "late worker never joined"
-            time.sleep(0.1)
+        wait_until(lambda: 'late-worker' in {w['name'] for w in cluster_workers(client).values()}, 60,
+                   failure="late worker never joined", interval=0.1, collect=False)
 
         def on_late(iterator):
             time.sleep(0.1)  # long enough that all three workers get work
@@ -275,9 +276,9 @@ def test_closing_a_strategy_forgets_its_datasets_on_every_trainer_before_close_r
     datasets = {c: c.create_per_worker_dataset(lambda: iter(range(1000))) for c in (kept, coordinator)}
     for c, dataset in datasets.items():
         it = iter(dataset)
-        deadline = time.monotonic() + 60
-        while len({name for name, _ in c.fetch([c.schedule(_where_and_next, args=(it,)) for _ in range(8)])}) < 2:
-            assert time.monotonic() < deadline, "one trainer ran every function"
+        wait_until(lambda c=c, it=it: len({name for name, _ in c.fetch([c.schedule(_where_and_next, args=(it,))
+                                                                       for _ in range(8)])}) >= 2,
+                   60, failure="one trainer ran every function", interval=0, collect=False)
     ids = {c: d._spec.dataset_id for c, d in datasets.items()}
     trainers = set(cluster_workers(client)) - set(strategy.cluster_resolver.cluster_spec()["ps"])
     built = client.run(datasets_built, workers=list(trainers))

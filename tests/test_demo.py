@@ -91,6 +91,7 @@ def test_demo_rejects_an_unknown_model():
         run_demo(DemoConfig(model="torch"))
 
 
+@pytest.mark.cluster
 def test_daskps_demo_command_runs_end_to_end(tmp_path):
     cmd = [sys.executable, "-m", "daskps.cli", "demo", "--epochs", "2", "--steps-per-epoch", "40",
            "--checkpoint-dir", str(tmp_path / "c")]
@@ -102,6 +103,7 @@ def test_daskps_demo_command_runs_end_to_end(tmp_path):
     assert "resumed from" in rerun.stdout and "nothing to train" in rerun.stdout
 
 
+@pytest.mark.cluster
 def test_example_script_trains(tmp_path):
     from pathlib import Path
 
@@ -125,6 +127,7 @@ def test_demo_survives_a_killed_parameter_server(fresh_cluster, tmp_path):
     assert result["log_loss"] < result["start_log_loss"] - 0.1 and result["auc"] > 0.75
 
 
+@pytest.mark.cluster
 def test_demo_writes_tensorboard_scalars_with_logdir(tmp_path):
     """`daskps demo --logdir DIR`: an event file TensorBoard reads, with the run's train and test scalars."""
     pytest.importorskip("tensorboardX")
@@ -149,6 +152,7 @@ def test_demo_writes_tensorboard_scalars_with_logdir(tmp_path):
     assert len(rates) == len(train) and all(v > 0 for _, v in rates), rates  # one with each train-loss point
 
 
+@pytest.mark.cluster
 def test_demo_logdir_without_tensorboardx_is_refused_before_any_cluster_starts():
     code = ("import sys; sys.modules['tensorboardX'] = None; from daskps.cli import main; "
             "main(['demo', '--logdir', 'tb'])")
@@ -172,6 +176,7 @@ def test_a_kill_epoch_this_run_does_not_train_is_said_and_nothing_is_killed(clus
     assert not any(line.startswith("killing ps-0") for line in lines)
 
 
+@pytest.mark.cluster
 def test_keep_open_keeps_the_dashboard_up_until_ctrl_c(tmp_path):
     """`daskps demo --keep-open`: after training, daskps' page answers until SIGINT, then the demo ends cleanly."""
     import re
@@ -205,6 +210,7 @@ def test_keep_open_keeps_the_dashboard_up_until_ctrl_c(tmp_path):
     assert "Ctrl-C: closing the cluster" in out and proc.returncode == 0, out[-2000:]
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(600)
 def test_the_readme_path_demo_then_more_epochs_then_a_kill(tmp_path):
     """The README's commands in order, in one directory, as a newcomer runs them: `daskps demo`, again with

@@ -19,6 +19,7 @@ TRAINER = {"DASK_DISTRIBUTED__WORKER__RESOURCES__WORKER": "1"}
 PRELOAD = {"DASK_DISTRIBUTED__SCHEDULER__PRELOAD": '["daskps.dashboard"]'}
 
 
+@pytest.mark.cluster
 def test_roles_and_the_dashboard_from_environment_variables_alone(tmp_path):
     """What the Kubernetes recipe relies on: no command-line flags, only Dask config from the environment."""
     with dask_cli_cluster(tmp_path, [PS, PS, TRAINER], scheduler_env=PRELOAD) as client:

@@ -17,7 +17,7 @@ def test_strategy_html_lists_servers_trainers_and_dashboard(strategy):
         held = [dps.Variable(np.zeros(1000, np.float32), name="big"),  # dropped variables are freed
                 dps.Variable(np.zeros(10, np.float32), name="small")]
     page = strategy._repr_html_()
-    for ps in strategy._ps:
+    for ps in strategy.servers:
         assert ps.address in page
     assert page.count("<tr>") == 2 + 2 + 2  # headers + 2 servers + 2 trainers
     assert strategy.client.dashboard_link in page and "3.91 kiB" in page
@@ -31,9 +31,9 @@ def test_variable_and_sharded_variable_html(strategy):
         v = dps.Variable(np.zeros((4, 2), np.float32), name="v")
         parts = [dps.Variable(np.zeros((3, 2), np.float32), name=f"t/part_{i}") for i in range(2)]
     page = v._repr_html_()
-    assert "(4, 2)" in page and v._ref.server.address in page
+    assert "(4, 2)" in page and v.handle.server.address in page
     sv_page = dps.ShardedVariable(parts, name="t")._repr_html_()
-    assert "t/part_1" in sv_page and "3:6" in sv_page and parts[1]._ref.server.address in sv_page
+    assert "t/part_1" in sv_page and "3:6" in sv_page and parts[1].handle.server.address in sv_page
     assert "this process" in dps.Variable([1.0])._repr_html_()
 
 
@@ -129,4 +129,4 @@ def test_lost_server_shows_as_such_without_hanging(fresh_cluster):
     with dask.config.set({"daskps.display-timeout": "5s"}):  # the killed one refuses at once
         page = strategy._repr_html_()  # returns (pytest-timeout would catch a hang)
     assert "unreachable" in page and page.count("unreachable") == 1
-    assert strategy._ps[0].address in page
+    assert strategy.servers[0].address in page

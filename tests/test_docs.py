@@ -23,7 +23,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +32,7 @@ import daskps as dps
 
 from .conftest import dask_cli_cluster
 from .helpers.docs import python_blocks
+from .helpers.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -88,10 +88,8 @@ def _run_console_block(page: str, cwd: Path) -> subprocess.Popen:
 
 def _wait_for_cluster(page: str, cwd: Path, security=None) -> None:
     name, workers = CONSOLE_READY[page]
-    deadline = time.monotonic() + 90
-    while not (cwd / name).exists():
-        assert time.monotonic() < deadline, f"{page}: the console block wrote no {name}"
-        time.sleep(0.2)
+    wait_until(lambda: (cwd / name).exists(), 90,
+               failure=lambda: f"{page}: the console block wrote no {name}", interval=0.2, collect=False)
 
 
 def page_script(page: str) -> str:
@@ -103,6 +101,7 @@ def page_script(page: str) -> str:
     return "\n".join(block.code for block in python_blocks((DOCS / page).read_text()))
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("page", PAGES_WITH_PYTHON)
 def test_every_python_block_of_the_page_runs_in_order_as_one_script(page, tmp_path):
@@ -184,6 +183,7 @@ def test_every_page_with_code_has_python_blocks_that_ran():
             f"{page}: use a ```python fence (run) or ```python-not-run (not run), not a code-block directive")
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(900)
 def test_the_docs_build_with_warnings_as_errors(tmp_path):
     for module in ("sphinx", "myst_nb", "pydata_sphinx_theme", "numpydoc"):
@@ -202,6 +202,7 @@ def test_the_docs_build_with_warnings_as_errors(tmp_path):
 # ------------------------------------------------------------------ frictions a newcomer met (issue 22)
 
 
+@pytest.mark.cluster
 def test_a_cluster_a_client_and_an_address_all_make_a_strategy(tmp_path):
     """The existing-cluster path the docs give: ParameterServerStrategy takes a running cluster's address,
     a distributed.Client or a cluster object, and trains the same."""
@@ -228,6 +229,7 @@ def test_a_local_cluster_object_is_its_own_cluster_resolver(cluster, client):
     assert client.status == "running"
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(300)
 def test_the_first_script_runs_on_an_existing_cluster_with_the_one_line_the_docs_give(tmp_path):
     """getting-started.md: "replace the last two lines with main("tcp://scheduler:8786")"."""
@@ -246,6 +248,7 @@ def test_the_first_script_runs_on_an_existing_cluster_with_the_one_line_the_docs
     assert end < min(start, 0.2)
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(300)
 def test_the_softmax_example_takes_a_scheduler_address(tmp_path):
     script = ROOT / "examples" / "train_softmax.py"
@@ -267,6 +270,7 @@ def test_schedule_given_a_dataset_says_to_pass_its_iterator(coordinator):
     assert coordinator.schedule(next, args=(iter(dataset),)).fetch() == 0  # the iterator, as the message says
 
 
+@pytest.mark.cluster
 def test_git_ignores_what_the_demo_and_the_docs_build_write():
     for path in ("daskps-demo-checkpoints/ckpt-1/manifest.json", "docs/_build/html/index.html",
                  "docs/generated/daskps_tour.ipynb", "docs/reference/generated/daskps.Variable.rst"):

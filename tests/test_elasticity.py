@@ -9,6 +9,7 @@ import daskps as dps
 from daskps.distribute.cluster import cluster_workers
 
 from .conftest import worker_address
+from .helpers.waiting import wait_until
 
 
 @pytest.mark.timeout(180)
@@ -80,9 +81,8 @@ def test_trainers_added_with_cluster_scale_take_work_and_build_their_datasets(fr
         assert where == built_on  # each trainer reads its own dataset
     assert int(count.numpy()) >= 400
     cluster.scale(4)  # back to 2 trainers: the newest go, the parameter servers stay
-    deadline = time.monotonic() + 60
-    while len(cluster_workers(client)) > 4 and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: len(cluster_workers(client)) <= 4, 60, failure="the trainers did not go", interval=0.1,
+               collect=False)
     names = sorted(w["name"] for w in cluster_workers(client).values())
     assert names == ["ps-0", "ps-1", "worker-0", "worker-1"]
     assert coordinator.schedule(step, args=(it,)).fetch()[0] in {"worker-0", "worker-1"}

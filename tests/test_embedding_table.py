@@ -19,6 +19,7 @@ from daskps._core.hashing import KeyIndex
 from daskps.errors import RollbackWarning
 
 from .conftest import kill_worker
+from .helpers.waiting import wait_until
 
 DIM, LR, ACC0, EPS = 3, 0.1, 0.1, 1e-7
 MASK = (1 << 64) - 1
@@ -404,10 +405,7 @@ def test_the_part_of_a_lost_server_comes_back_from_the_checkpoint(fresh_cluster,
     coordinator.join()
     kill_worker(client, "ps-0")
     with pytest.warns(RollbackWarning, match="emb"):
-        deadline = time.monotonic() + 60
-        while not coordinator.recoveries:
-            assert time.monotonic() < deadline, "no recovery"
-            time.sleep(0.05)
+        wait_until(lambda: coordinator.recoveries, 60, failure="no recovery", interval=0.05, collect=False)
         coordinator.join()
     got_keys, rows = table.export()
     np.testing.assert_array_equal(got_keys, np.sort(keys))

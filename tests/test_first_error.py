@@ -14,6 +14,8 @@ import uuid
 import pytest
 from distributed import Event
 
+from .helpers.waiting import wait_until
+
 FIRST = "first failure: batch 3 had a NaN loss"
 SECOND = "second failure: a later step"
 
@@ -31,10 +33,8 @@ def _fail_when_opened(started: str, gate: str):
 
 def _wait_for_failures(coordinator, n: int, timeout: float = 60) -> None:
     """Wait until ``n`` functions have failed (``summary()`` raises nothing, unlike join/done/schedule)."""
-    deadline = time.monotonic() + timeout
-    while coordinator.summary()["failed"] < n:
-        assert time.monotonic() < deadline, coordinator.summary()
-        time.sleep(0.02)
+    wait_until(lambda: coordinator.summary()['failed'] >= n, timeout,
+               failure=lambda: coordinator.summary(), interval=0.02, collect=False)
 
 
 def _surface(coordinator, how: str) -> None:
@@ -89,10 +89,9 @@ def test_a_failed_recovery_after_a_function_error_leaves_the_first_error_to_rais
     with dask.config.set({"daskps.recovery-timeout": "2s"}):
         for name in ("ps-0", "ps-1"):  # gone for good: the nanny does not start them again
             kill_for_good(cluster, client, name)
-        deadline = time.monotonic() + 60
-        while not isinstance(coordinator.last_error, PSUnavailableError):  # the recovery failed, after the error
-            assert time.monotonic() < deadline, f"no failed recovery: {coordinator.last_error!r}"
-            time.sleep(0.05)
+        # the recovery failed, after the error
+        wait_until(lambda: isinstance(coordinator.last_error, PSUnavailableError), 60,
+                   failure=lambda: f"no failed recovery: {coordinator.last_error!r}", interval=0.05, collect=False)
     with pytest.raises(ValueError) as info:
         coordinator.join()
     assert type(info.value) is ValueError and str(info.value) == FIRST

@@ -56,7 +56,7 @@ def _train_captured(strategy, coordinator) -> str:
         coordinator.schedule(step)
     coordinator.join()
     assert v.numpy().tolist() == [30.0]
-    return v._ref.key
+    return v.handle.key
 
 
 def test_handles_captured_by_a_kept_function_do_not_keep_their_variable(strategy, coordinator):

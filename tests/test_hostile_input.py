@@ -14,7 +14,6 @@ from case to case; each case compares against a snapshot taken just before.
 from __future__ import annotations
 
 import contextlib
-import gc
 import itertools
 import json
 import re
@@ -29,6 +28,8 @@ import pytest
 from distributed import Client, LocalCluster
 
 import daskps as dps
+
+from .helpers.waiting import wait_until
 
 ROWS = 6  # every variable the id cases touch has 6 rows, so one "out of range" fits all
 
@@ -348,11 +349,7 @@ def test_a_partitioner_that_raises_passes_its_error_on(state):
 
 def _wait_for_servers(state, want, timeout=10.0):
     """Releases are sent in the background: wait until the servers hold exactly ``want`` again."""
-    deadline = time.monotonic() + timeout
-    while snapshot(state)["servers"] != want:
-        assert time.monotonic() < deadline, "the servers did not drop the variable"
-        gc.collect()
-        time.sleep(0.05)
+    wait_until(lambda: snapshot(state)["servers"] == want, timeout, failure="the servers did not drop the variable")
 
 
 @pytest.mark.parametrize("result, shards", [([100, 1], ROWS), ([2], 2), ([3, 1, 1], 3)])
@@ -604,6 +601,7 @@ def _plain_cluster():
         yield cluster
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize(
     "make, missing",
     [

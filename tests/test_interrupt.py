@@ -17,7 +17,7 @@ import pytest
 
 from tests.helpers.docs import CLUSTER_BLOCKS
 
-pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="pseudo-terminals are POSIX")
+pytestmark = [pytest.mark.skipif(sys.platform == "win32", reason="pseudo-terminals are POSIX"), pytest.mark.cluster]
 
 
 def run_in_a_terminal(argv, cwd, ready: str, timeout: float = 240) -> tuple[str, str, int]:

@@ -25,6 +25,8 @@ import pytest
 import daskps as dps
 from tests.conftest import datasets_built, set_trainer_slots
 
+from .helpers.waiting import wait_until
+
 keras = pytest.importorskip("keras", reason="Keras is not installed (pip install 'daskps[keras]')")
 if keras.backend.backend() != "jax":
     pytest.skip("these tests need KERAS_BACKEND=jax", allow_module_level=True)
@@ -646,8 +648,6 @@ def keras_free_initializer(shape, dtype):
 
 
 def test_dropping_the_model_releases_what_it_made_on_servers_and_trainers(client, strategy, coordinator):
-    import gc
-    import time
 
     def servers():
         return sum(s["num_variables"] for s in strategy.ps_stats())
@@ -664,13 +664,9 @@ def test_dropping_the_model_releases_what_it_made_on_servers_and_trainers(client
     assert servers_during > servers_before  # variables and slots
     assert ours  # the model's copy on the trainers
     del model
-    deadline = time.monotonic() + 30
     # Releases travel in the background (earlier tests' too: the servers' count may fall below "before")
-    while servers() > servers_before or ours & built():
-        assert time.monotonic() < deadline, (
-            f"still held: {servers()} variables (before: {servers_before}), datasets {sorted(ours & built())}")
-        gc.collect()
-        time.sleep(0.1)
+    wait_until(lambda: not (servers() > servers_before or ours & built()), 30, interval=0.1, failure=lambda: (
+        f"still held: {servers()} variables (before: {servers_before}), datasets {sorted(ours & built())}"))
 
 
 # -- refusals: named arguments, nothing made on a server ---------------------------------------
@@ -785,6 +781,7 @@ def test_the_docs_show_the_whole_diff_and_it_changes_three_lines_besides_the_clu
         "callbacks=callbacks, verbose=2)"]
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("script", ["keras_local.py", "keras_fit.py"])
 def test_both_example_scripts_train(script, tmp_path):
     done = subprocess.run([sys.executable, str(EXAMPLES / script)], cwd=tmp_path, capture_output=True, text=True,
@@ -835,6 +832,7 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.cluster
 def test_the_pytorch_backend_trains_as_keras_fit_does(tmp_path):
     pytest.importorskip("torch", reason="PyTorch is not installed (pip install 'daskps[torch]')")
     script = tmp_path / "torch_fit.py"

@@ -288,9 +288,9 @@ def test_a_refused_batch_on_a_server_changes_no_state(strategy):
         opt = make("Ftrl", DENSE["Ftrl-args"]["kwargs"])
         v = dps.Variable(starts[0])
     opt.apply([grads[0][0]], [v])
-    work = [(v._ref.key, "dense", grads[1][0]), (v._ref.key, "dense", np.ones(3, np.float32))]
+    work = [(v.handle.key, "dense", grads[1][0]), (v.handle.key, "dense", np.ones(3, np.float32))]
     with pytest.raises(ValueError, match="shape"):
-        protocol.call([(v._ref.server, ops.ApplyGradients(opt._key, work, None))])
+        protocol.call([(v.handle.server, ops.ApplyGradients(opt._key, work, None))])
     for i in range(1, STEPS):
         opt.apply([grads[i][0]], [v])
     np.testing.assert_allclose(v.numpy(), after[-1][0], rtol=0, atol=ATOL)

@@ -55,7 +55,7 @@ def test_variables_outlive_the_strategy_that_made_them(client):
         gc.collect()
     w.assign_add([1.0, 1.0])
     np.testing.assert_array_equal(w.numpy(), [2.0, 3.0])
-    token = w._ref.owner.token
+    token = w.handle.owner.token
     wait_until(lambda: sum(token in k for k in actor_keys(client)) == 2, what="the helper's servers kept")
     del w
     wait_until(lambda: not any(token in k for k in actor_keys(client)), what="servers released after the last user")
@@ -149,7 +149,7 @@ def _ones(shape, dtype):
 def test_server_memory_returns_after_300_mb_are_dropped(fresh_cluster):
     cluster, client = fresh_cluster
     strategy = dps.ParameterServerStrategy(client)
-    servers = [ps.address for ps in strategy._ps]
+    servers = [ps.address for ps in strategy.servers]
     with strategy.scope():
         warm = dps.Variable(_ones, shape=(1024, 1024), dtype=np.float32)  # the first call's one-off costs
         opt = dps.optimizers.Adam(0.01)
@@ -194,7 +194,7 @@ def test_handles_kept_on_a_worker_keep_the_variable(fresh_cluster):
     with strategy.scope():
         v = dps.Variable([5.0], name="escapee")
     trainer = worker_address(client, "worker-0")
-    key = v._ref.key
+    key = v.handle.key
     client.submit(lambda: None, workers=[trainer]).result()
     coordinator.schedule(_keep, args=(v,))
     coordinator.join()
@@ -230,7 +230,7 @@ def test_handles_kept_on_trainers_are_counted_on_a_recreated_server_as_its_recov
         other = dps.Variable(0.0, name="other")
     manager = dps.CheckpointManager(dps.Checkpoint(other=other), str(tmp_path))
     coordinator = dps.ClusterCoordinator(strategy, checkpoint_manager=manager)
-    key = v._ref.key
+    key = v.handle.key
     # Both trainers keep it: two functions, each held until the other has kept it too (one after the other
     # on one trainer, the first would wait out its timeout). Dask gives a lone batch to the same idle worker
     # each time, so scheduling one at a time until both have run may never reach the second.
@@ -249,10 +249,8 @@ def test_handles_kept_on_trainers_are_counted_on_a_recreated_server_as_its_recov
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RollbackWarning)  # nothing changed since the save
         kill_worker(client, ps)
-        deadline = time.monotonic() + 60
-        while not coordinator.recoveries:
-            assert time.monotonic() < deadline, f"{ps} was killed, and no recovery ended"
-            time.sleep(0.02)
+        wait_until(lambda: coordinator.recoveries, 60,
+                   failure=lambda: f"{ps} was killed, and no recovery ended", interval=0.02, collect=False)
     assert holders(client, [key]) == {key: {"coordinator": 1, "trainer": 2}}  # on the new server, at once
     assert busy.fetch() is True  # the busy trainer's task was queued behind its function: told, not skipped
     del v
@@ -268,7 +266,7 @@ def test_a_trainer_that_dies_holding_handles_leaks_nothing(fresh_cluster):
     coordinator = dps.ClusterCoordinator(strategy)
     with strategy.scope():
         v = dps.Variable([5.0], name="orphan")
-    key = v._ref.key
+    key = v.handle.key
     coordinator.schedule(_keep, args=(v,))
     coordinator.join()
     held = client.run(lambda dask_worker: hasattr(dask_worker, "_daskps_test_kept"))
@@ -323,7 +321,7 @@ def test_three_80_mb_datasets_made_and_dropped(fresh_cluster):
     strategy = dps.ParameterServerStrategy(client)
     coordinator = dps.ClusterCoordinator(strategy)
     trainers = strategy.cluster_resolver.cluster_spec()["worker"]
-    everyone = trainers + [ps.address for ps in strategy._ps]
+    everyone = trainers + [ps.address for ps in strategy.servers]
     start = rss(client, everyone)
     for round_ in range(3):
         big = np.full(10_000_000, float(round_))  # 80 MB captured by dataset_fn
@@ -418,7 +416,7 @@ def test_an_optimizer_kept_on_a_trainer_keeps_and_then_frees_everything(strategy
     coordinator.schedule(_keep_optimizer, args=(opt, v))
     coordinator.join()
     holder = [a for a, has in client.run(lambda dask_worker: hasattr(dask_worker, "_daskps_test_kept")).items() if has]
-    keys = [v._ref.key, opt.server_key]
+    keys = [v.handle.key, opt.server_key]
     del v, opt
     # the coordinator's releases have reached the servers: only the trainer's cache holds both now
     assert wait_for_coordinator_release(client, keys) == {k: {"trainer": 1} for k in keys}

@@ -5,7 +5,10 @@ from __future__ import annotations
 import pathlib
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
+
+pytestmark = pytest.mark.cluster  # every test here starts a cluster or a process
 
 NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "examples" / "daskps_tour.ipynb"
 

@@ -19,9 +19,10 @@ import daskps as dps
 
 from .conftest import kill_worker, wait_for_recovery
 from .helpers.events import read_scalars
+from .helpers.waiting import wait_until
 
 CHROMIUM = "/usr/bin/chromium"
-pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"no {CHROMIUM} (apt-get install chromium)")
+pytestmark = [pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"no {CHROMIUM} (apt-get install chromium)"), pytest.mark.cluster]
 
 # Every data source of a page, in the browser: {source name: {column: [values]}}.
 READ_SOURCES = """() => {
@@ -98,10 +99,9 @@ def test_every_surface_shows_the_same_numbers(tmp_path):
             for i in range(10):  # steps that leave the metric alone: the logger writes while it is empty
                 coordinator.schedule(_step, args=(None, table, w, opt, None, i))
             coordinator.join()
-            deadline = time.monotonic() + 30
-            while not logger.steps or logger.steps[-1] <= before:  # 10 more done: a write (every_n_steps)
-                assert time.monotonic() < deadline, logger.steps
-                time.sleep(0.02)
+            # 10 more done: a write (every_n_steps)
+            wait_until(lambda before=before: not (not logger.steps or logger.steps[-1] <= before), 30,
+                       failure=lambda: logger.steps, interval=0.02, collect=False)
             empty_steps.append(logger.steps[-1])
             for i in range(60):
                 coordinator.schedule(_step, args=(None, table, w, opt, loss, i))
@@ -125,14 +125,12 @@ def test_every_surface_shows_the_same_numbers(tmp_path):
         assert summary["done"] + summary["cancelled"] == 210 and summary["done"] > 100  # batch are cancelled)
 
         # Quiet now: wait until the scheduler has the coordinator's final counts and a fresh look at the servers.
-        deadline = time.monotonic() + 30
-        while True:
-            samples = _scrape(base)
+        def final(samples):
             done = _series(samples, "dask_daskps_functions_completed_total", scheduler)
-            if list(done.values()) == [summary["done"]] and len(_series(samples, "dask_daskps_server_bytes", scheduler)) == 2:
-                break
-            assert time.monotonic() < deadline, samples
-            time.sleep(0.2)
+            return (list(done.values()) == [summary["done"]]
+                    and len(_series(samples, "dask_daskps_server_bytes", scheduler)) == 2)
+
+        wait_until(lambda: final(_scrape(base)), 30, failure=lambda: _scrape(base), interval=0.2, collect=False)
         time.sleep(1.0)  # a few more ticks of the timeline at these numbers
         samples = _scrape(base)
 

@@ -92,8 +92,8 @@ def test_slots_live_beside_their_variables(strategy):
 
     seen = strategy.client.run(lambda dask_worker: list(slots(dask_worker)))
     where = {k: addr for addr, found in seen.items() for k, _, _ in found}
-    assert where[a._ref.key] == a._ref.server.address and where[b._ref.key] == b._ref.server.address
-    state = next((kind, fields) for found in seen.values() for k, kind, fields in found if k == a._ref.key)
+    assert where[a.handle.key] == a.handle.server.address and where[b.handle.key] == b.handle.server.address
+    state = next((kind, fields) for found in seen.values() for k, kind, fields in found if k == a.handle.key)
     assert state == ("AdamState", ["count", "m", "v", "v_hat"])  # typed state; v_hat unused without amsgrad
 
 
@@ -152,10 +152,10 @@ def test_server_checks_gradients_too(strategy):
     from daskps.client import protocol
     from daskps.server import ops
 
-    work = [(v._ref.key, "dense", np.ones(3, np.float32)), (v._ref.key, "dense", np.ones(4, np.float32))]
-    bump = opt.iterations._ref.key if opt.iterations._ref.server == v._ref.server else None
+    work = [(v.handle.key, "dense", np.ones(3, np.float32)), (v.handle.key, "dense", np.ones(4, np.float32))]
+    bump = opt.iterations.handle.key if opt.iterations.handle.server == v.handle.server else None
     with pytest.raises(ValueError, match="shape"):
-        protocol.call([(v._ref.server, ops.ApplyGradients(opt._key, work, bump))])
+        protocol.call([(v.handle.server, ops.ApplyGradients(opt._key, work, bump))])
     assert v.numpy().tolist() == [1, 1, 1] and int(opt.iterations.numpy()) == 0
 
 

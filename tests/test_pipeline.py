@@ -107,11 +107,11 @@ def test_a_push_the_server_refuses_fails_its_own_function(strategy, coordinator)
     with strategy.scope():
         gone = dps.Variable(0.0, name="gone")
         other = dps.Variable(5.0, name="other")
-    if gone._ref.server != other._ref.server:  # round robin: put both on one server
+    if gone.handle.server != other.handle.server:  # round robin: put both on one server
         with strategy.scope():
             other = dps.Variable(5.0, name="other")
-    assert gone._ref.server == other._ref.server
-    protocol.call([(gone._ref.server, ops.Release([gone._ref.key], HOLDER))])
+    assert gone.handle.server == other.handle.server
+    protocol.call([(gone.handle.server, ops.Release([gone.handle.key], HOLDER))])
 
     def push():
         gone.assign_add(1.0)  # held back: no error here

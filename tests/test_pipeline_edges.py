@@ -41,12 +41,12 @@ def test_channels_to_two_new_servers_are_opened_once(strategy, monkeypatch):
     with strategy.scope():
         a = dps.Variable(np.zeros(2, np.float32), name="churn_a")
         b = dps.Variable(np.zeros(2, np.float32), name="churn_b")
-    assert a._ref.server.channel != b._ref.server.channel
+    assert a.handle.server.channel != b.handle.server.channel
     for _ in range(5):
         dps.read_values([a, b])
     per_address = {addr: made.count(addr) for addr in set(made)}
     # one channel to each of the two servers (made here: a fresh strategy's servers are new), none again
-    want = {a._ref.server.channel: 1, b._ref.server.channel: 1}
+    want = {a.handle.server.channel: 1, b.handle.server.channel: 1}
     assert per_address == want, f"channels opened per server: {per_address}, want {want}"
 
 

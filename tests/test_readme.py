@@ -17,6 +17,9 @@ import pytest
 from nbclient import NotebookClient
 
 from .helpers.docs import CLUSTER_BLOCKS, GUARD, NOTEBOOK_MARK, README, STARTS_A_CLUSTER, python_blocks  # noqa: F401
+from .helpers.waiting import wait_until
+
+pytestmark = pytest.mark.cluster  # every test here starts a cluster or a process
 
 
 def _params(notebook: bool) -> list:
@@ -58,7 +61,6 @@ def test_the_script_against_a_scheduler_started_the_same_second_as_its_workers(t
     The script is started first and the workers once it says it is waiting, so the wait is always taken.
     """
     import os
-    import time
 
     from tests.conftest import _start, start_dask_scheduler
 
@@ -71,14 +73,15 @@ def test_the_script_against_a_scheduler_started_the_same_second_as_its_workers(t
     procs: list[subprocess.Popen] = []
     try:
         address = start_dask_scheduler(tmp_path, procs, env)
-        deadline = time.monotonic() + 60
         with stdout.open("w") as out, stderr.open("w") as err:
             run = subprocess.Popen([sys.executable, str(script), address], cwd=tmp_path, stdout=out, stderr=err)
         procs.append(run)
-        while "waiting up to 60 s (daskps.workers-timeout)" not in stderr.read_text():
+
+        def says_it_waits() -> bool:
             assert run.poll() is None, f"the script ended before waiting:\n{stderr.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, "the script did not say it waits for workers"
-            time.sleep(0.05)
+            return "waiting up to 60 s (daskps.workers-timeout)" in stderr.read_text()
+
+        wait_until(says_it_waits, 60, failure="the script did not say it waits for workers", collect=False)
         procs += [_start(["distributed.cli.dask_worker", address, "--host", "127.0.0.1", "--nthreads", "1",
                           "--resources", resource, "--no-dashboard"], env)
                   for resource in ("ps=1", "ps=1", "worker=1", "worker=1")]

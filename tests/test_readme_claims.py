@@ -25,6 +25,7 @@ import daskps as dps
 from daskps.errors import PSUnavailableError, RollbackWarning
 
 from .conftest import kill_worker, wait_done, wait_for_recovery, wait_for_worker, worker_address, worker_pid
+from .helpers.waiting import wait_until
 
 TIMEOUT = pytest.mark.timeout(180)
 
@@ -125,10 +126,8 @@ def _kill_when_a_save_starts(client, name, directory, box):
 
     def run():
         try:
-            deadline = time.monotonic() + 60
-            while not set(os.listdir(directory)) - before:
-                assert time.monotonic() < deadline, "no save began"
-                time.sleep(0.0005)
+            wait_until(lambda: set(os.listdir(directory)) - before, 60,
+                       failure="no save began", interval=0.0005, collect=False)
             os.kill(pid, signal.SIGKILL)
             box["killed"] = True
         except BaseException as e:  # noqa: BLE001
@@ -619,14 +618,16 @@ def test_coordinator_reads_during_a_recovery_never_see_a_wrong_value(fresh_clust
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         kill_worker(client, "ps-0")
-        deadline = time.monotonic() + 60
-        while not t.coordinator.recoveries or len(seen_a) < 3:
-            assert time.monotonic() < deadline
+        def read_both():
             try:
                 seen_a.append(float(t.a.numpy()))
             except PSUnavailableError as e:
                 errors.append(e)
             seen_b.append(float(t.b.numpy()))
+            return t.coordinator.recoveries and len(seen_a) >= 3
+
+        wait_until(read_both, 60, failure=lambda: f"recoveries {t.coordinator.recoveries}, a read {seen_a}",
+                   interval=0, collect=False)
         t.coordinator.join()
     assert len(_rollbacks(caught)) == 1
     assert errors, "no read reached the lost server before the recovery"  # the scenario happened

@@ -27,6 +27,9 @@ from daskps.distribute.cluster import cluster_workers
 from daskps.errors import RollbackWarning
 
 from .conftest import kill_worker, two_ps_training, worker_address
+from .helpers.waiting import wait_until
+
+pytestmark = pytest.mark.cluster  # every test here starts a cluster or a process
 
 
 # -- what schedule pickles, and when ----------------------------------------------------------------------
@@ -169,20 +172,16 @@ def test_a_ps_gone_for_good_is_recreated_on_the_least_loaded_ps_worker(tmp_path)
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         try:
-            deadline = time.monotonic() + 60
-            while "zz-spare" not in {w["name"] for w in cluster_workers(client).values()}:
-                assert time.monotonic() < deadline, "the spare ps worker never joined"
-                time.sleep(0.1)
+            wait_until(lambda: 'zz-spare' in {w['name'] for w in cluster_workers(client).values()}, 60,
+                       failure="the spare ps worker never joined", interval=0.1, collect=False)
             spare_address, ps1 = worker_address(client, "zz-spare"), worker_address(client, "ps-1")
             assert [s.address for s in strategy.servers] == [worker_address(client, "ps-0"), ps1]
             with dask.config.set({"daskps.recovery-same-worker-wait": "1s"}), warnings.catch_warnings():
                 warnings.simplefilter("ignore", RollbackWarning)
                 cluster.workers["ps-0"].close_gracefully(reason="test: gone for good")  # its Nanny stays down
                 kill_worker(client, "ps-0")
-                deadline = time.monotonic() + 90
-                while not coordinator.recoveries:
-                    assert time.monotonic() < deadline, "ps-0 was lost but no recovery happened"
-                    time.sleep(0.1)
+                wait_until(lambda: coordinator.recoveries, 90,
+                           failure="ps-0 was lost but no recovery happened", interval=0.1, collect=False)
                 coordinator.join()
             assert [s.address for s in strategy.servers] == [spare_address, ps1]
             assert float(a.numpy()) == 1.0 and "task:0" in a.device  # restored there from the checkpoint

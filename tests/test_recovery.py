@@ -21,6 +21,7 @@ from .conftest import (
     wait_for_recovery,
     worker_address,
 )
+from .helpers.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -219,7 +220,7 @@ def test_a_ps_gone_for_good_is_recreated_on_another_ps_worker(fresh_cluster, tmp
         with pytest.warns(RollbackWarning, match="ps:0"):
             coordinator.join()
     ps1 = worker_address(client, "ps-1")
-    assert [s.address for s in strategy._ps] == [ps1, ps1]  # both servers on ps-1 now
+    assert [s.address for s in strategy.servers] == [ps1, ps1]  # both servers on ps-1 now
     assert float(a.numpy()) >= 21.0 - 1 and float(b.numpy()) >= 21.0
     assert "task:0" in a.device
 
@@ -244,10 +245,8 @@ def test_functions_scheduled_during_a_recovery_wait_for_it(fresh_cluster, tmp_pa
     ran = f"daskps-ran-during-recovery-{uuid.uuid4().hex}"
     with dask.config.set({"daskps.recovery-same-worker-wait": "6s"}):  # waits 6 s for ps-0 before moving it
         kill_for_good(cluster, client, "ps-0")
-        deadline = time.monotonic() + 60
-        while coordinator.recovery_state is not RecoveryState.RECOVERING:
-            assert time.monotonic() < deadline, "no recovery began"
-            time.sleep(0.02)
+        wait_until(lambda: coordinator.recovery_state is RecoveryState.RECOVERING, 60,
+                   failure="no recovery began", interval=0.02, collect=False)
         coordinator.schedule(_mark_ran, args=(ran,))
         ran_early = Event(ran, client=client).wait(2)
         assert coordinator.recovery_state is RecoveryState.RECOVERING, "the recovery ended too soon to tell"
@@ -290,10 +289,7 @@ def test_a_ps_lost_while_nothing_runs_is_recovered_at_once(fresh_cluster, tmp_pa
     a.assign(100.0)  # after the checkpoint: lost with the server
     kill_worker(client, "ps-0")
     with pytest.warns(RollbackWarning, match=r"'a'; every update made to them after it is lost \(0 scheduled"):
-        deadline = time.monotonic() + 60
-        while not coordinator.recoveries:
-            assert time.monotonic() < deadline, "no recovery"
-            time.sleep(0.05)
+        wait_until(lambda: coordinator.recoveries, 60, failure="no recovery", interval=0.05, collect=False)
         coordinator.join()  # waits for a recovery under way
     assert float(a.numpy()) == 10.0 and float(b.numpy()) == 10.0
     assert manager.save() is not None  # the loop's next save works

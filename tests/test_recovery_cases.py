@@ -19,6 +19,7 @@ from .conftest import (
     wait_for_recovery,
 )
 from .helpers.servers import wait_for_coordinator_release
+from .helpers.waiting import wait_until
 
 
 def _join_recording(coordinator, recoveries=0):
@@ -52,9 +53,8 @@ def test_same_ps_killed_twice(fresh_cluster, tmp_path):
     assert float(a.numpy()) == before_a + 10 and float(b.numpy()) == before_b + 10
     assert [s["num_variables"] for s in strategy.ps_stats()] == [1, 1]
     strategy.close()  # the re-created servers go with the strategy, as the first ones would
-    deadline = time.monotonic() + 20
-    while (client.run_on_scheduler(_server_tasks) or any(client.run(_actors).values())) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_until(lambda: not (client.run_on_scheduler(_server_tasks) or any(client.run(_actors).values())), 20,
+               failure="the servers' tasks or actors are still there", interval=0.2, collect=False)
     assert client.run_on_scheduler(_server_tasks) == [] and not any(client.run(_actors).values())
 
 
@@ -137,7 +137,7 @@ def test_handle_cached_on_a_trainer_that_got_no_batch_since_recovery(fresh_clust
     r = coordinator.schedule(bump)
     assert len(_join_recording(coordinator)) == 1
     assert r.fetch() == "worker-1"
-    key = c._ref.key
+    key = c.handle.key
     del c
     # the coordinator's release has reached the new ps-0, which counts worker-0's handle still
     held = wait_for_coordinator_release(client, [key])
@@ -244,14 +244,11 @@ def test_strategy_close_during_recovery_leaves_no_server(fresh_cluster, tmp_path
         coordinator.schedule(step)
     wait_done(coordinator, 10)
     kill_worker(client, "ps-0")
-    deadline = time.monotonic() + 30
-    while coordinator.recovery_state.name != "RECOVERING":
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    wait_until(lambda: coordinator.recovery_state.name == "RECOVERING", 30, failure="no recovery began",
+               interval=0.005, collect=False)
     # wait until the new server is being started, then close
-    while strategy._group.generation == 0:
-        assert time.monotonic() < deadline, "the recovery never started a new server"
-        time.sleep(0.001)
+    wait_until(lambda: strategy._group.generation != 0, 30, failure="the recovery never started a new server",
+               interval=0.001, collect=False)
     strategy.close()
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
@@ -259,13 +256,10 @@ def test_strategy_close_during_recovery_leaves_no_server(fresh_cluster, tmp_path
             coordinator.join()
         except dps.errors.ClosedError:
             pass
-        deadline = time.monotonic() + 30
-        while any(t.name == "daskps-recover" for t in __import__("threading").enumerate()):
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_until(lambda: not any(t.name == "daskps-recover" for t in __import__("threading").enumerate()), 30,
+                   failure="the recovery thread did not end", collect=False)
     assert coordinator.recoveries == [], "the recovery finished before close(): it did not land in the middle"
-    deadline = time.monotonic() + 20
-    while (client.run_on_scheduler(_server_tasks) or any(client.run(_actors).values())) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_until(lambda: not (client.run_on_scheduler(_server_tasks) or any(client.run(_actors).values())), 20,
+               failure="the servers' tasks or actors are still there", interval=0.2, collect=False)
     assert client.run_on_scheduler(_server_tasks) == [] and not any(client.run(_actors).values()), (
         client.run_on_scheduler(_server_tasks), client.run(_actors), coordinator.last_error)

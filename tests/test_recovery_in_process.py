@@ -24,8 +24,9 @@ from daskps.coordinator.recovery import RecoveryState
 from daskps.errors import CancelledError, PSUnavailableError, RollbackWarning
 
 from .conftest import datasets_built, two_ps_training, worker_address
+from .helpers.waiting import wait_until
 
-pytestmark = pytest.mark.timeout(40)  # each takes a few seconds at most; a hang fails fast
+pytestmark = [pytest.mark.timeout(40), pytest.mark.cluster]  # each takes a few seconds at most; a hang fails fast
 
 
 @pytest.fixture
@@ -39,25 +40,19 @@ def close_worker(cluster, client, name: str) -> str:
     """Close the worker ``name`` and wait until the scheduler has seen it leave; returns its address."""
     address = worker_address(client, name)
     cluster.sync(cluster.workers[name].close, reason="test: worker closed")
-    deadline = time.monotonic() + 10
-    while address in client.scheduler_info()["workers"]:
-        assert time.monotonic() < deadline, f"{name} was closed but the scheduler still lists it"
-        time.sleep(0.01)
+    wait_until(lambda: address not in client.scheduler_info()['workers'], 10,
+               failure=lambda: f"{name} was closed but the scheduler still lists it", interval=0.01, collect=False)
     return address
 
 
 def wait_for_recoveries(coordinator, count: int) -> None:
-    deadline = time.monotonic() + 10  # one takes well under a second here
-    while len(coordinator.recoveries) < count:
-        assert time.monotonic() < deadline, "a ps worker left, but no recovery ended"
-        time.sleep(0.01)
+    wait_until(lambda: len(coordinator.recoveries) >= count, 10,  # one takes well under a second here
+               failure="a ps worker left, but no recovery ended", interval=0.01, collect=False)
 
 
 def wait_for_state(coordinator, state, failing: str) -> None:
-    deadline = time.monotonic() + 10
-    while coordinator.recovery_state is not state:
-        assert time.monotonic() < deadline, f"{failing}: {coordinator.recovery_state}"
-        time.sleep(0.01)
+    wait_until(lambda: coordinator.recovery_state is state, 10,
+               failure=lambda: f"{failing}: {coordinator.recovery_state}", interval=0.01, collect=False)
 
 
 def _warning(record) -> str:
@@ -87,7 +82,7 @@ def test_a_closed_ps_worker_is_recreated_on_the_other_and_rolled_back_exactly(th
         r"saved\)\. 0 function\(s\) that failed or were cancelled by the loss run again\.", _warning(record))
     # it waited 0.2 s for ps-0 to come back first, within what this test saw it take (rounded to 0.1 s)
     assert said and 0.2 <= float(said.group(1)) <= took + 0.05
-    assert [s.address for s in strategy._ps] == [ps1, ps1]
+    assert [s.address for s in strategy.servers] == [ps1, ps1]
     assert "task:0" in a.device and "task:1" in b.device
     assert (float(a.numpy()), float(b.numpy())) == (1.0, 4.0)
     for _ in range(5):  # training goes on where the rollback left it
@@ -263,10 +258,8 @@ def test_trainers_forget_a_dataset_of_a_recovered_server_when_the_coordinator_go
     lose_ps0(cluster, observer, coordinator)
     assert trainers_holding()
     client.close()  # no strategy.close(), no drop: the scheduler releases the client's servers
-    deadline = time.monotonic() + 10
-    while trainers_holding():
-        assert time.monotonic() < deadline, "the coordinator's client went, and the trainers kept its dataset"
-        time.sleep(0.05)
+    wait_until(lambda: not trainers_holding(), 10,
+               failure="the coordinator's client went, and the trainers kept its dataset", interval=0.05, collect=False)
 
 
 def test_functions_running_at_the_loss_fail_and_run_again_in_full(thread_cluster, tmp_path):
@@ -494,8 +487,8 @@ def test_a_ps_worker_back_under_its_name_gets_its_server_again(thread_cluster, t
             back = cluster.sync(start)
             try:
                 wait_for_recoveries(coordinator, 1)
-                assert back.address != old and strategy._ps[0].address == back.address
-                assert strategy._ps[1].address == worker_address(client, "ps-1")
+                assert back.address != old and strategy.servers[0].address == back.address
+                assert strategy.servers[1].address == worker_address(client, "ps-1")
                 coordinator.schedule(step)
                 coordinator.join()
                 assert (float(a.numpy()), float(b.numpy())) == (2.0, 2.0)
@@ -536,7 +529,7 @@ def test_updates_lost_are_counted_only_for_functions_that_knew_the_lost_server(t
                 close_worker(cluster, client, "ps-0")
                 back = cluster.sync(start)  # ps:0's new server goes there, alone
                 wait_for_recoveries(coordinator, 1)
-            assert strategy._ps[0].address == back.address
+            assert strategy.servers[0].address == back.address
             manager.save()  # the long function is still running: it finishes after the save
             Event(f"go-{tag}", client=client).set()
             long.fetch()
@@ -545,7 +538,7 @@ def test_updates_lost_are_counted_only_for_functions_that_knew_the_lost_server(t
             with dask.config.set({"daskps.recovery-same-worker-wait": "0.2s"}):
                 cluster.sync(back.close)  # (not in cluster.workers: close_worker does not know it)
                 wait_for_recoveries(coordinator, 2)
-        assert strategy._ps[0].address == worker_address(client, "ps-1")
+        assert strategy.servers[0].address == worker_address(client, "ps-1")
         assert coordinator.recoveries[1].functions_since == 1
     finally:
         strategy.close()
@@ -575,11 +568,11 @@ def test_a_lost_server_goes_to_the_ps_worker_holding_fewest(tmp_path):
             with pytest.warns(RollbackWarning):
                 close_worker(cluster, client, "ps-0")
                 wait_for_recoveries(coordinator, 1)
-            assert [s.address for s in strategy._ps] == [ps[1], ps[1], ps[2], ps[3]]
+            assert [s.address for s in strategy.servers] == [ps[1], ps[1], ps[2], ps[3]]
             with pytest.warns(RollbackWarning):
                 close_worker(cluster, client, "ps-2")
                 wait_for_recoveries(coordinator, 2)
-        assert [s.address for s in strategy._ps] == [ps[1], ps[1], ps[3], ps[3]]
+        assert [s.address for s in strategy.servers] == [ps[1], ps[1], ps[3], ps[3]]
         assert [float(v.numpy()) for v in vs] == [0.0, 1.0, 2.0, 3.0]
         strategy.close()
 
@@ -595,7 +588,7 @@ def test_two_servers_lost_with_one_worker_are_named_together_when_their_restore_
             with pytest.warns(RollbackWarning):
                 close_worker(cluster, client, "ps-0")
                 wait_for_recoveries(coordinator, 1)
-            assert [s.address for s in strategy._ps][:2] == [worker_address(client, "ps-1")] * 2
+            assert [s.address for s in strategy.servers][:2] == [worker_address(client, "ps-1")] * 2
             latest = str(manager.latest_checkpoint)
             (pathlib.Path(latest) / "v1@0.npy").write_bytes(b"not an array")
             close_worker(cluster, client, "ps-1")
@@ -630,7 +623,7 @@ def test_a_second_ps_lost_during_a_recovery_is_recovered_after_it(tmp_path):
                 wait_for_recoveries(coordinator, 2)
         texts = [str(w.message) for w in record if issubclass(w.category, RollbackWarning)]
         assert len(texts) == 2 and "ps:0 (was at" in texts[0] and "ps:1 (was at" in texts[1], texts
-        assert [s.address for s in strategy._ps] == [ps2, ps2, ps2]
+        assert [s.address for s in strategy.servers] == [ps2, ps2, ps2]
         assert [float(v.numpy()) for v in vs] == [5.0, 5.0, 5.0]
         strategy.close()
 

@@ -13,6 +13,8 @@ from distributed.security import Security
 import daskps as dps
 from daskps.distribute.cluster import cluster_workers
 
+pytestmark = pytest.mark.cluster  # every test here starts a cluster or a process
+
 pytest.importorskip("cryptography")  # the [tls] extra (in [test] too)
 
 
@@ -23,7 +25,7 @@ def test_a_tls_cluster_trains_and_refuses_clients_without_its_certificates():
             workers = cluster_workers(client)
             assert len(workers) == 4 and all(addr.startswith("tls://127.0.0.1:") for addr in workers)
             with dps.ParameterServerStrategy(client, variable_partitioner=dps.partitioners.FixedShardsPartitioner(2)) as strategy:
-                assert all(server.channel is None for server in strategy._ps)  # no plain-TCP side door
+                assert all(server.channel is None for server in strategy.servers)  # no plain-TCP side door
                 coordinator = dps.ClusterCoordinator(strategy)
                 with strategy.scope():
                     w = dps.Variable(np.zeros((4, 2), np.float32), name="w")

@@ -10,6 +10,8 @@ from distributed import Client, get_worker
 
 import daskps as dps
 
+from .helpers.waiting import wait_until
+
 
 def evaluate(path: str) -> dict:
     w = dps.Variable(np.zeros(3, np.float32))
@@ -27,6 +29,7 @@ def with_evaluator():
         yield client
 
 
+@pytest.mark.cluster
 def test_evaluates_each_new_checkpoint_on_the_evaluator_worker(with_evaluator, tmp_path):
     strategy = dps.ParameterServerStrategy(with_evaluator)
     with strategy.scope():
@@ -80,6 +83,7 @@ def _in_memory(keys, dask_scheduler=None) -> list:
     return [k for k, where in dask_scheduler.get_who_has(keys).items() if where]
 
 
+@pytest.mark.cluster
 def test_evaluates_a_from_dask_dataset_on_the_evaluator_reading_every_row_once(with_evaluator, tmp_path):
     import dask.dataframe as dd
     import pandas as pd
@@ -101,14 +105,11 @@ def test_evaluates_a_from_dask_dataset_on_the_evaluator_reading_every_row_once(w
     assert held and all(list(where) == [evaluator] for where in held.values()), (held, evaluator)
     # Dropping the evaluator releases the partitions it persisted and published.
     import gc
-    import time
 
     del sidecar
     gc.collect()
-    deadline = time.monotonic() + 20
-    while name in with_evaluator.list_datasets() or with_evaluator.run_on_scheduler(_in_memory, list(held)):
-        assert time.monotonic() < deadline, "the sidecar's data was not released"
-        time.sleep(0.1)
+    wait_until(lambda: not (name in with_evaluator.list_datasets() or with_evaluator.run_on_scheduler(_in_memory, list(held))), 20,
+               failure="the sidecar's data was not released", interval=0.1, collect=False)
 
 
 def test_evaluates_a_from_dask_dataset_here_without_an_evaluator(client, tmp_path):

@@ -149,10 +149,10 @@ def test_server_refuses_out_of_range_rows_too(strategy):
     from daskps.client import protocol
     from daskps.server import ops
 
-    bad = [(v._ref.key, "scatter_add", (np.array([0]), np.ones((1, 1), np.float32))),
-           (v._ref.key, "scatter_add", (np.array([3]), np.ones((1, 1), np.float32)))]
+    bad = [(v.handle.key, "scatter_add", (np.array([0]), np.ones((1, 1), np.float32))),
+           (v.handle.key, "scatter_add", (np.array([3]), np.ones((1, 1), np.float32)))]
     with pytest.raises(IndexError, match=r"index 3 is out of range \[0, 3\)"):
-        protocol.call([(v._ref.server, ops.Update(bad))])
+        protocol.call([(v.handle.server, ops.Update(bad))])
     np.testing.assert_array_equal(v.numpy(), np.zeros((3, 1)))
 
 

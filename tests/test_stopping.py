@@ -11,6 +11,8 @@ import pytest
 import daskps as dps
 from daskps.errors import CancelledError
 
+from .helpers.waiting import wait_until
+
 
 class _Interrupter:
     """Interrupts the main thread once ``v`` has reached ``reached``, and again until told to stop.
@@ -48,10 +50,8 @@ def _batches_running(dask_worker=None):
 
 def _settled(v, client=None, pause: float = 0.5) -> float:
     """The value of ``v`` once no batch runs on any worker (with ``client``) and it stops changing."""
-    deadline = time.monotonic() + 30
-    while client is not None and any(client.run(_batches_running).values()):
-        assert time.monotonic() < deadline, client.run(_batches_running)
-        time.sleep(0.05)
+    wait_until(lambda: not (client is not None and any(client.run(_batches_running).values())), 30,
+               failure=lambda: client.run(_batches_running), interval=0.05, collect=False)
     before = float(v.numpy())
     while True:
         time.sleep(pause)

@@ -31,6 +31,7 @@ def test_rejects_bad_cluster_resolver():
         dps.ParameterServerStrategy(cluster_resolver=3)
 
 
+@pytest.mark.cluster
 def test_no_default_client_is_a_clear_error():
     code = (
         "import daskps as dps\n"
@@ -41,6 +42,7 @@ def test_no_default_client_is_a_clear_error():
     assert "ValueError:" in out.stdout and "default Dask client" in out.stdout
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("num_ps, num_workers, missing", [(0, 1, "parameter server"), (1, 0, "training worker")])
 def test_cluster_without_ps_or_workers(num_ps, num_workers, missing):
     with dps.LocalPSCluster(num_ps=num_ps, num_workers=num_workers, processes=False) as cluster:

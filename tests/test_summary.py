@@ -16,6 +16,7 @@ from daskps.ui import tensorboard as scalar_logging
 pytest.importorskip("tensorboardX.proto.event_pb2")  # tensorboardX is in the test extra
 
 from .helpers.events import read_scalars  # noqa: E402
+from .helpers.waiting import wait_until
 
 
 def test_scalars_reach_an_event_file_every_n_functions(strategy, coordinator, tmp_path):
@@ -32,10 +33,8 @@ def test_scalars_reach_an_event_file_every_n_functions(strategy, coordinator, tm
         for _ in range(30):
             coordinator.schedule(step)
         coordinator.join()
-        deadline = time.monotonic() + 60
-        while not logger.steps and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert logger.steps and 20 <= logger.steps[0] <= 30  # written while the logger runs, not only when it stops
+        wait_until(lambda: logger.steps, 60, failure="nothing written", interval=0.02, collect=False)
+        assert 20 <= logger.steps[0] <= 30  # written while the logger runs, not only when it stops
         time.sleep(0.3)  # 15 more looks at the counts, with nothing completed: nothing more is written
         assert len(logger.steps) == 1
         for _ in range(30):
@@ -203,16 +202,14 @@ def test_a_writer_that_fails_warns_once_and_logging_goes_on(coordinator):
     with pytest.warns(RuntimeWarning) as warned:
         logger = dps.summary.ScalarLogger(coordinator, writer, every_n_steps=2, interval=0.01).start()
         _run(coordinator, 2)
-        deadline = time.monotonic() + 30
-        while not warned.list and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: warned.list, 30, failure="no warning", interval=0.01, collect=False)
         writer.failures = 3  # fails again, three times: no second warning
         _run(coordinator, 2)
-        while writer.failures and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: not writer.failures, 30, failure="the writer was not tried again", interval=0.01,
+                   collect=False)
         _run(coordinator, 2)
-        while not logger.steps and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: logger.steps, 30, failure="nothing written after the failures", interval=0.01,
+                   collect=False)
         logger.stop()
     assert [str(w.message) for w in warned] == [
         "ScalarLogger: could not write scalars (OSError: disk full); it goes on trying"]

@@ -10,6 +10,8 @@ import traceback
 import cloudpickle
 import pytest
 
+pytestmark = pytest.mark.cluster  # every test here starts a cluster or a process
+
 SOURCE = textwrap.dedent('''
     import numpy as np
 

@@ -15,6 +15,8 @@ import pytest
 import daskps as dps
 from daskps.training.manifest import MANIFEST
 
+from .helpers.waiting import wait_until
+
 
 def _commit(root: pathlib.Path, number: int, name: str = "ckpt") -> None:
     """A committed checkpoint as the evaluator sees one: a numbered directory holding a manifest."""
@@ -35,10 +37,7 @@ def _sidecar(root, calls, **kwargs):
 def _started(root, calls, **kwargs):
     """A background evaluator, once it has evaluated its first checkpoint."""
     sidecar = _sidecar(root, calls, **kwargs).start()
-    deadline = time.monotonic() + 30
-    while not calls:
-        assert time.monotonic() < deadline, "no evaluation in 30 s"
-        threading.Event().wait(0.01)
+    wait_until(lambda: calls, 30, failure="no evaluation in 30 s", interval=0.01, collect=False)
     return sidecar
 
 

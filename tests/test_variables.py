@@ -136,8 +136,8 @@ def test_server_validates_too(strategy):
     from daskps.server import ops
 
     with pytest.raises(ValueError, match="shape"):
-        protocol.call([(a._ref.server, ops.Update([(a._ref.key, "add", np.ones(2, np.float32)),
-                                                  (a._ref.key, "add", np.ones(3))]))])
+        protocol.call([(a.handle.server, ops.Update([(a.handle.key, "add", np.ones(2, np.float32)),
+                                                  (a.handle.key, "add", np.ones(3))]))])
     np.testing.assert_array_equal(a.numpy(), [1.0, 2.0])
 
 

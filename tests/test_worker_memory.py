@@ -14,7 +14,7 @@ import pytest
 
 import daskps as dps
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc"), pytest.mark.cluster]
 
 
 def _faults_per_array():

@@ -7,16 +7,24 @@ import threading
 import time
 
 
-def wait_until(check, timeout: float = 20.0, what: str = "condition"):
-    """Poll ``check()`` until it is truthy (releases travel asynchronously)."""
+def wait_until(check, timeout: float = 20.0, what: str = "condition", *, failure=None,
+               interval: float = 0.05, collect: bool = True):
+    """Poll ``check()`` every ``interval`` seconds until it is truthy, and return its value; fail after ``timeout``.
+
+    The one polling loop of the suite: anything that arrives asynchronously (a report through the
+    scheduler, a release, a count on a server) is waited for here. ``collect`` runs the garbage
+    collector before each look (releases are triggered by finalizers); the assertion says
+    ``failure`` (or what ``failure()`` returns, then), or that ``what`` was not reached.
+    """
     deadline = time.monotonic() + timeout
     while True:
-        gc.collect()
+        if collect:
+            gc.collect()
         value = check()
         if value or time.monotonic() > deadline:
-            assert value, f"{what} not reached in {timeout}s"
+            assert value, (failure() if callable(failure) else failure) or f"{what} not reached in {timeout}s"
             return value
-        time.sleep(0.05)
+        time.sleep(interval)
 
 
 def in_thread(fn, timeout):
