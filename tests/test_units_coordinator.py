@@ -157,3 +157,80 @@ def test_recovery_control_holds_dispatch_counts_reruns_and_halts_on_a_failed_rec
     assert control.state is RecoveryState.DISPATCHING
     control.resume()
     assert control.state is RecoveryState.DISPATCHING
+
+
+# -- the batching policy (daskps.coordinator.batching), by the rules its docstring states ---------------
+def test_until_durations_are_known_the_queue_is_split_evenly_over_every_trainer():
+    from daskps.coordinator.batching import BatchPolicy
+
+    assert BatchPolicy().next_size(queued=10, pending=10, trainers=2, in_flight=0) == 5
+    assert BatchPolicy().next_size(queued=7, pending=7, trainers=3, in_flight=0) == 3
+
+
+def test_short_functions_go_in_one_big_batch_long_ones_spread_over_the_trainers():
+    from daskps.coordinator.batching import BATCH_SECONDS, BatchPolicy
+
+    short, long = BatchPolicy(), BatchPolicy()
+    short.observe([0.001, 0.001])
+    long.observe([0.1])
+    assert short.next_size(queued=100, pending=100, trainers=2, in_flight=0) == 100  # 0.1 s of work: one batch
+    assert long.next_size(queued=10, pending=10, trainers=2, in_flight=0) == int(BATCH_SECONDS / 0.1)
+    # a second batch each only once the backlog is deep; a third never
+    assert long.next_size(queued=7, pending=10, trainers=2, in_flight=2) == 0
+    assert long.next_size(queued=100, pending=100, trainers=2, in_flight=2) == 2
+    assert long.next_size(queued=100, pending=100, trainers=2, in_flight=4) == 0
+
+
+def test_the_duration_is_a_moving_average_and_max_batch_caps_a_batch():
+    import dask
+
+    from daskps.coordinator.batching import BatchPolicy
+
+    policy = BatchPolicy()
+    policy.observe([0.4])
+    policy.observe([0.2, 0.0])  # an event's mean (0.1), half-way from 0.4: 0.25
+    assert policy.seconds_per_function == pytest.approx(0.25)
+    fast = BatchPolicy()
+    fast.observe([0.0001])
+    with dask.config.set({"daskps.max-batch": 8}):  # 100 queued of 0.01 s of work: capped, so spread
+        assert fast.next_size(queued=100, pending=100, trainers=2, in_flight=0) == 8
+        assert fast.next_size(queued=100, pending=100, trainers=2, in_flight=1) == 8
+
+
+# -- the counts and their rate limit (daskps.coordinator.counts) ------------------------------------------
+def test_counts_keep_totals_and_per_trainer_counts_and_snapshot_both():
+    from daskps.coordinator.counts import Counts
+
+    counts = Counts()
+    counts.add("scheduled", n=3)
+    counts.add("done", "worker-0")
+    counts.add("failed", "worker-1")
+    counts.add("rerun", "")  # a function never run: no trainer to count it on
+    counts.add("cancelled")
+    assert counts.snapshot(in_flight=1) == {
+        "scheduled": 3, "done": 1, "failed": 1, "cancelled": 1, "rerun": 1, "in_flight": 1,
+        "trainers": {"worker-0": {"done": 1}, "worker-1": {"failed": 1}}}
+
+
+def test_a_rate_limited_call_runs_at_once_then_at_most_once_an_interval():
+    import asyncio
+
+    from daskps.coordinator.counts import RateLimited
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        ran = []
+        limited = RateLimited(loop, lambda: ran.append(loop.time()), interval=0.2)
+        start = loop.time()
+        for _ in range(5):  # the first runs now; the four within the interval make one run, later
+            limited.call()
+        assert len(ran) == 1
+        for _ in range(100):  # the deferred run, once the interval has passed (not before)
+            if len(ran) > 1:
+                break
+            await asyncio.sleep(0.05)
+        assert len(ran) == 2 and ran[1] - start >= 0.2
+        limited.call(now=True)
+        assert len(ran) == 3
+
+    asyncio.run(main())

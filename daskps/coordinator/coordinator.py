@@ -36,7 +36,6 @@ import collections
 import contextlib
 import functools
 import itertools
-import math
 import pickle
 import threading
 import time
@@ -50,11 +49,12 @@ from distributed import Client, as_completed
 
 from daskps._core import views
 from daskps._core.arrays import is_int
-from daskps._core.config import setting
 from daskps._core.pickling import dumps_or_explain, located
 from daskps.client import refs
 from daskps.client.routing import ROUTES
 from daskps.coordinator import recovery
+from daskps.coordinator.batching import BatchPolicy
+from daskps.coordinator.counts import Counts, RateLimited
 from daskps.coordinator.dask_input import dask_dataset
 from daskps.coordinator.recovery import RecoveryControl, RecoveryState
 from daskps.coordinator.remote import FAILED, PENDING, Outcome, RemoteValue, to_numpy
@@ -68,14 +68,10 @@ from daskps.training.checkpoint_manager import CheckpointManager
 
 __all__ = ["ClusterCoordinator", "RemoteValue"]
 
-# About how long one batch should run.
-BATCH_SECONDS = 0.2
 # While there is work to dispatch, trainers are counted again this often (seconds).
 TRAINERS_REFRESH = 1.0
 
 
-# The counts go to the scheduler's plugin at most this often (seconds).
-PUBLISH_INTERVAL = 0.5
 # How many times one function is run again after losses of parameter servers before its error stands.
 MAX_RERUNS = 3
 
@@ -247,19 +243,16 @@ class ClusterCoordinator:
         self._error: BaseException | None = None
         self._pump_queued = False
         self._fetching = 0  # threads waiting in RemoteValue.fetch(): wake them on every result
-        self._seconds_per_function: float | None = None  # a moving average, from the reports
+        self._batching = BatchPolicy()  # how many queued functions the next batch takes
         self._ids = itertools.count()
         self._batch_ids = itertools.count()
         self._topic = f"{BATCH_TOPIC_PREFIX}{strategy.token}"
         # The client keeps its handlers: give it one that does not keep this coordinator alive.
         client.subscribe_topic(self._topic, functools.partial(self._deliver, weakref.ref(self)))
         weakref.finalize(self, _unsubscribe, client, self._topic)
-        self.stats = {"scheduled": 0, "done": 0, "failed": 0, "cancelled": 0, "rerun": 0}
-        # The same "done", "failed" and "rerun" per trainer (by worker name), sent with the counts: what the
-        # dashboard and /metrics show per trainer (each function counted where its report came from).
-        self._trainer_stats: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-        self._published_at = 0.0  # when the counts last went to the scheduler (its /metrics shows them)
-        self._publish_later = False
+        self._counts = Counts()  # in all and per trainer: what summary(), the dashboard and /metrics show
+        self.stats = self._counts.totals
+        self._publisher = RateLimited(self._loop, self._send_counts)  # to the scheduler, twice a second at most
         # Functions finished, by the generation of servers their trainer knew (see _finished_by_generation).
         self._done_by_generation: collections.Counter[int] = collections.Counter()
         self.last_error: BaseException | None = None
@@ -331,7 +324,7 @@ class ClusterCoordinator:
         with self._cond:
             self._queue.append(closure)
             self._pending[closure.id] = closure
-            self.stats["scheduled"] += 1
+            self._counts.add("scheduled")
             wake = not self._pump_queued
             self._pump_queued = True
         if wake:  # one loop wake-up serves every schedule call made meanwhile
@@ -339,31 +332,9 @@ class ClusterCoordinator:
         return RemoteValue(closure.outcome)
 
     def _next_batch(self, trainers: int, in_flight: int) -> list[_Closure]:
-        """The next batch, or none.
-
-        A batch holds about ``BATCH_SECONDS`` of work (from how long functions
-        have taken), at most ``daskps.max-batch`` functions. Only as many
-        trainers as the outstanding work needs get batches, one each; a second
-        one each (which saves the gap between batches) goes out only once the
-        backlog is deep. So short functions go out in few big batches to one
-        trainer (more would only add overhead), long ones in small batches
-        spread over every trainer; the last batches are short. Until durations
-        are known, the queue is split evenly over every trainer.
-        """
-        queued, per = len(self._queue), self._seconds_per_function
-        if per is None:
-            useful, size = trainers, math.ceil(queued / trainers)
-        else:
-            work = (len(self._pending)) * per  # queued and running
-            useful = max(1, min(trainers, math.ceil(work / BATCH_SECONDS)))
-            size = min(max(1, int(BATCH_SECONDS / per)), math.ceil(queued / useful))
-        size = min(size, setting("max_batch"))
-        # Batches capped at daskps.max-batch: the work is more than one batch per trainer can carry, so
-        # spread it (short functions would otherwise wait for a round trip per batch on one trainer).
-        useful = min(trainers, max(useful, math.ceil(queued / size)))
-        if in_flight >= 2 * useful or (in_flight >= useful and queued < 2 * useful * size):
-            return []
-        return [self._queue.popleft() for _ in range(min(size, queued))]
+        """The next batch (see :mod:`daskps.coordinator.batching`), or none."""
+        size = self._batching.next_size(len(self._queue), len(self._pending), trainers, in_flight)
+        return [self._queue.popleft() for _ in range(size)]
 
     def _pump(self) -> None:
         """On the client's event loop: put queued functions into batches while trainers need work."""
@@ -397,23 +368,13 @@ class ClusterCoordinator:
                 asyncio.ensure_future(self._watch(key, future))
         self._publish()
 
-    def _publish(self, now: bool = False) -> None:
-        """On the client's event loop: send the counts to the scheduler, at most twice a second.
+    def _publish(self) -> None:
+        """On the client's event loop: the counts to the scheduler (see :mod:`daskps.coordinator.counts`)."""
+        self._publisher.call()
 
-        The scheduler plugin keeps the latest for its Prometheus endpoint
-        (``/metrics``); counts held back by the limit go half a second later.
-        """
-        wait = PUBLISH_INTERVAL - (time.monotonic() - self._published_at)
-        if wait > 0 and not now:
-            if not self._publish_later:
-                self._publish_later = True
-                self._loop.call_later(wait, self._publish, True)
-            return
-        self._publish_later = False
-        self._published_at = time.monotonic()
+    def _send_counts(self) -> None:
         with self._cond:
-            stats: dict[str, Any] = dict(self.stats, recoveries=len(self.recoveries), in_flight=len(self._pending))
-            stats["trainers"] = {name: dict(counts) for name, counts in self._trainer_stats.items()}
+            stats = self._counts.snapshot(recoveries=len(self.recoveries), in_flight=len(self._pending))
         asyncio.ensure_future(self._send_stats(stats))
 
     async def _send_stats(self, stats: dict[str, Any]) -> None:
@@ -446,9 +407,7 @@ class ClusterCoordinator:
         trainer = str(by[0]) if by else ""
         with self._cond:
             reports = [FunctionReport(*row) for row in finished]
-            took = sum(r.seconds for r in reports) / len(reports)  # a few events to follow a change
-            per = self._seconds_per_function
-            self._seconds_per_function = took if per is None else per + 0.5 * (took - per)
+            self._batching.observe([r.seconds for r in reports])
             for cid, status, payload, _, generation in reports:
                 closure = self._pending.get(cid)
                 if closure is None or closure.outcome.state != PENDING or closure.batch != batch_key:
@@ -473,9 +432,7 @@ class ClusterCoordinator:
     def _done(self, closure: _Closure) -> None:
         self._pending.pop(closure.id, None)
         ok = closure.outcome.state != "error"
-        self.stats["done" if ok else "failed"] += 1
-        if closure.trainer:
-            self._trainer_stats[closure.trainer]["done" if ok else "failed"] += 1
+        self._counts.add("done" if ok else "failed", closure.trainer)
         if ok:
             self._done_by_generation[closure.generation] += 1
         if self._fetching or not self._pending or self._error is not None:
@@ -526,7 +483,7 @@ class ClusterCoordinator:
                         self._fail(c, error)
                 elif failed:  # not run: an earlier function of its batch failed (the batch stops there)
                     self._pending.pop(c.id, None)
-                    self.stats["cancelled"] += 1
+                    self._counts.add("cancelled")
                     c.outcome.cancel()
                     self._cond.notify_all()
                 elif lossy:  # not run: an earlier one failed because a parameter server was lost
@@ -589,9 +546,8 @@ class ClusterCoordinator:
     def _requeue(self, closure: _Closure) -> None:
         """Queue ``closure`` again, before the functions scheduled after it (under the lock)."""
         self._recovery.requeued()
-        self.stats["rerun"] += 1
-        if closure.trainer:  # it failed there (one never run, behind a failed one in its batch, has none)
-            self._trainer_stats[closure.trainer]["rerun"] += 1
+        # where it failed (one never run, behind a failed one in its batch, has no trainer)
+        self._counts.add("rerun", closure.trainer)
         closure.batch, closure.trainer = None, ""
         index = bisect.bisect_left([c.id for c in self._queue], closure.id)
         self._queue.insert(index, closure)
@@ -653,7 +609,7 @@ class ClusterCoordinator:
             self._queue.clear()
             self._recovery.resume()
             futures = [f for f, _ in self._batches.values()]
-            self.stats["cancelled"] += len(cancelled)
+            self._counts.add("cancelled", n=len(cancelled))
             for c in cancelled:
                 c.outcome.cancel()
             self._cond.notify_all()

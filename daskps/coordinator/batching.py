@@ -1,0 +1,59 @@
+"""The coordinator's batching policy: how many queued functions go into the next batch, and when.
+
+Every batch is one Dask task on one trainer, so a batch should hold enough
+work to be worth its round trip (about ``BATCH_SECONDS``, from how long
+functions have taken: a moving average of their reports) and no more than
+``daskps.max-batch`` functions. Only as many trainers as the outstanding work
+needs get batches, one each; a second one each (which saves the gap between
+batches) goes out only once the backlog is deep. So short functions go out
+in few big batches to one trainer (more would only add overhead), long ones
+in small batches spread over every trainer; the last batches are short.
+Until durations are known, the queue is split evenly over every trainer.
+
+The policy is pure arithmetic on counts; :class:`BatchPolicy` holds only the
+moving average. The coordinator asks it under its lock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from daskps._core.config import setting
+
+# About how long one batch should run.
+BATCH_SECONDS = 0.2
+
+
+class BatchPolicy:
+    """Batch sizes from how long functions take."""
+
+    def __init__(self) -> None:
+        self.seconds_per_function: float | None = None  # a moving average, from the reports
+
+    def observe(self, seconds: Sequence[float]) -> None:
+        """An event's functions ran this long (a few events follow a change)."""
+        took = sum(seconds) / len(seconds)
+        per = self.seconds_per_function
+        self.seconds_per_function = took if per is None else per + 0.5 * (took - per)
+
+    def next_size(self, queued: int, pending: int, trainers: int, in_flight: int) -> int:
+        """How many of the ``queued`` functions the next batch takes (0: none now).
+
+        ``pending`` counts the functions queued and running, ``in_flight`` the
+        batches submitted and not finished, ``trainers`` the live trainers.
+        """
+        per = self.seconds_per_function
+        if per is None:
+            useful, size = trainers, math.ceil(queued / trainers)
+        else:
+            work = pending * per  # queued and running
+            useful = max(1, min(trainers, math.ceil(work / BATCH_SECONDS)))
+            size = min(max(1, int(BATCH_SECONDS / per)), math.ceil(queued / useful))
+        size = min(size, setting("max_batch"))
+        # Batches capped at daskps.max-batch: the work is more than one batch per trainer can carry, so
+        # spread it (short functions would otherwise wait for a round trip per batch on one trainer).
+        useful = min(trainers, max(useful, math.ceil(queued / size)))
+        if in_flight >= 2 * useful or (in_flight >= useful and queued < 2 * useful * size):
+            return 0
+        return min(size, queued)
