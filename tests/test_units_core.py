@@ -438,3 +438,33 @@ def test_map_structure_keeps_every_container_type():
     assert type(got["p"]) is Pair and type(got["x"][1]) is tuple and type(got["o"]) is collections.OrderedDict
     assert nest.flatten(tree) == [1, 2, 3, 4, 5, 6]
     assert nest.flatten(7) == [7] and nest.map_structure(str, []) == []
+
+
+def _summed_by_numpy(indices, values):
+    """The reference: each distinct index (sorted) and the sum of its rows, by ``np.add.at``."""
+    distinct, where = np.unique(indices, return_inverse=True)
+    out = np.zeros((len(distinct),) + values.shape[1:], values.dtype)
+    np.add.at(out, where, values)
+    return distinct, out
+
+
+@pytest.mark.parametrize("repeats", ["none", "few", "most", "all one index", "sorted runs"])
+@pytest.mark.parametrize("width", [(), (3,)])
+def test_sum_rows_and_sum_sorted_agree_with_numpy_for_every_mix_of_repeats(repeats, width):
+    """Both paths of sum_sorted (runs added apart from single rows when repeats are rare; every run
+    with reduceat when common) against np.add.at, for rows of any width."""
+    rng = np.random.default_rng(7)
+    n = 400
+    indices = {"none": rng.permutation(1000)[:n], "few": np.concatenate([rng.permutation(1000)[:n - 20],
+                                                                          rng.integers(0, 1000, 20)]),
+               "most": rng.integers(0, 60, n), "all one index": np.full(n, 5),
+               "sorted runs": np.sort(rng.integers(0, 100, n))}[repeats]
+    values = rng.standard_normal((n,) + width)
+    want_idx, want = _summed_by_numpy(indices, values)
+    got_idx, got = T.sum_rows(indices, values)
+    np.testing.assert_array_equal(got_idx, want_idx)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    order = np.argsort(indices, kind="stable")
+    got_idx, got = T.sum_sorted(indices[order], values[order])
+    np.testing.assert_array_equal(got_idx, want_idx)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)

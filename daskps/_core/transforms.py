@@ -56,10 +56,9 @@ def learning_rate_at(learning_rate: Any, step: int) -> float:
 
 
 class Step(NamedTuple):
-    """What a step rule is told of this step besides the gradient."""
+    """What a step rule is told of this step besides the gradient and its state (whose ``count`` is its step)."""
 
-    count: int  # type: ignore[assignment]  # the updates the variable has had before this one (shadows tuple.count)
-    lr: Any  # this step's learning rate, a scalar of the parameter's dtype
+    lr: Any  # this step's learning rate (from a schedule at the state's count), a scalar of the parameter's dtype
 
 
 class Chain(NamedTuple):
@@ -83,7 +82,7 @@ class Chain(NamedTuple):
         t = param.dtype.type
         lr = t(learning_rate_at(self.learning_rate, state.count))
         decayed = param if self.weight_decay is None else param - param * t(self.weight_decay) * lr
-        step, state = self.rule.update(grad, state, decayed, Step(state.count, lr))
+        step, state = self.rule.update(grad, state, decayed, Step(lr))
         return with_decay(param, decayed, step), state
 
 
