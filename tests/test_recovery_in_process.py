@@ -45,8 +45,8 @@ def close_worker(cluster, client, name: str) -> str:
     return address
 
 
-def wait_for_recoveries(coordinator, count: int) -> None:
-    wait_until(lambda: len(coordinator.recoveries) >= count, 10,  # one takes well under a second here
+def wait_for_recoveries(coordinator, count: int, timeout: float = 10) -> None:
+    wait_until(lambda: len(coordinator.recoveries) >= count, timeout,  # one takes well under a second here
                failure="a ps worker left, but no recovery ended", interval=0.01, collect=False)
 
 
@@ -620,7 +620,8 @@ def test_a_second_ps_lost_during_a_recovery_is_recovered_after_it(tmp_path):
                 wait_for_state(coordinator, RecoveryState.RECOVERING, "no recovery began")
                 close_worker(cluster, client, "ps-1")
                 assert coordinator.recovery_state is RecoveryState.RECOVERING, "the first recovery ended too soon"
-                wait_for_recoveries(coordinator, 2)
+                # each of the two waits 3 s for its worker to come back before it moves: 10 s was too close
+                wait_for_recoveries(coordinator, 2, timeout=30)
         texts = [str(w.message) for w in record if issubclass(w.category, RollbackWarning)]
         assert len(texts) == 2 and "ps:0 (was at" in texts[0] and "ps:1 (was at" in texts[1], texts
         assert [s.address for s in strategy.servers] == [ps2, ps2, ps2]
