@@ -78,6 +78,6 @@ def _copy_notebook(app) -> None:
 def setup(app):
     # Python that needs infrastructure the tests do not have (a Slurm system, Kubernetes,
     # TensorFlow): highlighted as Python, but fenced as ```python-not-run so that the test
-    # that runs every ```python block does not take it (tests/test_docs.py).
+    # that runs every ```python block does not take it (tests/docs/test_pages.py).
     app.add_lexer("python-not-run", PythonLexer)
     app.connect("builder-inited", _copy_notebook)

@@ -3,15 +3,17 @@
 :class:`Counts` keeps the functions scheduled, done, failed (for good),
 cancelled and re-run, in all and per trainer (by worker name: each function
 is counted where its report came from). The coordinator changes them under
-its lock and sends a snapshot to the scheduler's plugin (its
-``daskps_coordinator_stats`` handler) at most every ``PUBLISH_INTERVAL``
-seconds through :class:`RateLimited`: counts held back by the limit go once
-the interval has passed.
+its book's lock, and :class:`Publisher` sends a snapshot to the scheduler's
+plugin (its ``daskps_coordinator_stats`` handler) at most every
+``PUBLISH_INTERVAL`` seconds through :class:`RateLimited`: counts held back by
+the limit go once the interval has passed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -57,3 +59,25 @@ class RateLimited:
         self._later = False
         self._at = time.monotonic()
         self.fn()
+
+
+class Publisher:
+    """A book's counts, sent to the scheduler's plugin at most every ``PUBLISH_INTERVAL`` seconds."""
+
+    def __init__(self, book: Any, client: Any, token: str) -> None:
+        self._book, self._client, self._token = book, client, token
+        self._limit = RateLimited(client.loop, self._send)
+
+    def publish(self) -> None:
+        """On the client's event loop: send the counts now, or once the interval has passed."""
+        self._limit.call()
+
+    def _send(self) -> None:
+        book = self._book
+        with book.lock:
+            stats = book.counts.snapshot(recoveries=len(book.recoveries), in_flight=len(book.pending))
+        asyncio.ensure_future(self._send_stats(stats))
+
+    async def _send_stats(self, stats: dict[str, Any]) -> None:
+        with contextlib.suppress(Exception):  # an older scheduler plugin, or the client closing: nothing lost
+            await self._client.scheduler.daskps_coordinator_stats(token=self._token, stats=stats)

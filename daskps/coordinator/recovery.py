@@ -28,8 +28,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import threading
 import time
 import uuid
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -41,7 +43,7 @@ from daskps.client import protocol, refs
 from daskps.client.group import key_generation
 from daskps.client.routing import ROUTES, ServerRef, connect_timeout, quoted, recovery_timeout
 from daskps.distribute.cluster import cluster_workers
-from daskps.errors import PSUnavailableError
+from daskps.errors import PSUnavailableError, RollbackWarning
 from daskps.scheduler.messages import MoveCleanups, RecordMoves, ask
 from daskps.server import ops
 
@@ -54,20 +56,32 @@ class RecoveryState(enum.Enum):
     HALTED = "halted"  # a recovery failed: nothing goes out until join() has raised its error
 
 
-class RecoveryControl:
-    """A coordinator's recovery state and the bookkeeping around it.
+# How many times one function is run again after losses of parameter servers before its error stands.
+MAX_RERUNS = 3
 
-    Changed only under the coordinator's lock. ``lost_meanwhile`` are servers
-    seen leaving while a recovery ran (looked at when it ends), ``lossy`` the
-    batches stopped by a lost server (their unrun functions run again), and
-    ``rerun`` how many functions ran again since the current recovery began.
+
+class Recovery:
+    """A coordinator's lost parameter servers: where it stands with them, and every change of that.
+
+    The coordinator's parts tell it what they see: settling, a function that
+    failed because a server was gone (:meth:`run_again`) or a batch stopped by
+    one (:meth:`stopped_batch`); the scheduler, a server's worker leaving
+    (:meth:`on_lost`); ``join``, that everything pending was cancelled
+    (:meth:`resume`). It decides: whether to recover (only with a checkpoint
+    manager), when dispatch waits (:attr:`dispatching`), what runs again. A
+    recovery runs in a thread of its own; at its end, the callbacks given to
+    :meth:`on_recovered` run (dispatch goes on). Methods that take no lock
+    run under the book's.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, book: Any, strategy: Any, client: Any) -> None:
+        self._book, self._strategy, self._client = book, strategy, client
         self.state = RecoveryState.DISPATCHING
-        self.lost_meanwhile: set[str] = set()
-        self.lossy: set[str] = set()
-        self.rerun = 0
+        self.manager: Any = None  # the CheckpointManager lost servers are restored from, if any
+        self.lost_meanwhile: set[str] = set()  # servers seen leaving while a recovery ran: looked at at its end
+        self._lossy: set[str] = set()  # batches stopped by a lost server: their unrun functions run again
+        self.rerun = 0  # functions run again since the current recovery began
+        self._recovered: list[Callable[[], None]] = []
 
     @property
     def recovering(self) -> bool:
@@ -77,26 +91,103 @@ class RecoveryControl:
     def dispatching(self) -> bool:
         return self.state is RecoveryState.DISPATCHING
 
-    def begin(self) -> None:
-        """A recovery starts: dispatch waits."""
-        self.state, self.rerun = RecoveryState.RECOVERING, 0
+    def on_recovered(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (no lock held) when a recovery has brought every server back."""
+        self._recovered.append(callback)
 
-    def requeued(self) -> None:
-        """A function is queued again (counted while a recovery runs)."""
+    def run_again(self, closure: Any, error: BaseException) -> bool:
+        """Whether ``closure``, failed with ``error``, is queued again because a parameter server was lost.
+
+        Only with a checkpoint manager, at most ``MAX_RERUNS`` times; recovery
+        starts unless it is under way or the server was replaced already (a
+        handle that had not heard).
+        """
+        if (self.manager is None or not isinstance(error, PSUnavailableError) or self._strategy.closed
+                or closure.reruns >= MAX_RERUNS):
+            return False
+        closure.reruns += 1
+        key = getattr(error, "server_key", None)
+        if self.recovering:
+            if key is not None:
+                self.lost_meanwhile.add(key)  # looked at when this recovery ends
+        elif key not in ROUTES.moved:
+            self._begin()
+        self.requeue(closure)
+        return True
+
+    def requeue(self, closure: Any) -> None:
+        """Queue ``closure`` again (counted while a recovery runs)."""
         if self.recovering:
             self.rerun += 1
+        self._book.requeue(closure)
 
-    def end(self, failed: bool) -> set[str]:
-        """The recovery ended (``failed``: dispatch halts); returns the servers lost meanwhile."""
-        lost, self.lost_meanwhile = self.lost_meanwhile, set()
-        self.state = RecoveryState.HALTED if failed else RecoveryState.DISPATCHING
-        return lost
+    def stopped_batch(self, key: str) -> None:
+        """Batch ``key`` stopped at a function that failed because a server was lost: the rest run again."""
+        self._lossy.add(key)
+
+    def batch_ended(self, key: str) -> bool:
+        """Batch ``key`` ended: whether a lost server stopped it (its functions not run then run again)."""
+        lossy = key in self._lossy
+        self._lossy.discard(key)
+        return lossy
+
+    def on_lost(self, keys: list[str]) -> None:
+        """The scheduler saw the worker of servers ``keys`` leave: recover now, even with nothing running.
+
+        During a recovery, they are looked at again when it ends (a second
+        ps killed just after the first may not have looked lost yet). Takes the lock.
+        """
+        with self._book.lock:
+            if self.recovering:
+                self.lost_meanwhile.update(keys)
+            elif self._should_recover(keys):
+                self._begin()
 
     def resume(self) -> None:
-        """Everything pending was cancelled (its error raised): dispatch may go on."""
+        """Everything pending was cancelled (the failed recovery's error raised): dispatch may go on."""
         if self.state is RecoveryState.HALTED:
             self.state = RecoveryState.DISPATCHING
 
+    def _should_recover(self, keys: Any) -> bool:
+        return (self.manager is not None and not self._strategy.closed and self._client.status == "running"
+                and any(k not in ROUTES.moved for k in keys))
+
+    def _begin(self) -> None:
+        """Pause dispatch and recover in a thread (under the lock, which the thread needs to finish)."""
+        threading.Thread(target=self._recover, name="daskps-recover", daemon=True).start()
+        self.state, self.rerun = RecoveryState.RECOVERING, 0
+
+    def _recover(self) -> None:
+        """In a thread: re-create the lost servers, restore them, then let dispatch go on."""
+        report, error = None, None
+        try:
+            report = recover(self._strategy, self.manager, self._book.finished_by_generation)
+        except BaseException as exc:  # no worker came, or the checkpoint does not restore: raised by join()
+            error = exc
+        try:
+            if report is not None:  # before join() can return: a caller catching warnings around it sees it
+                with self._book.lock:
+                    rerun = self.rerun
+                warnings.warn(report.describe(rerun), RollbackWarning, stacklevel=1)
+        finally:  # even where warnings are errors (they would end this thread, not reach the user)
+            self.end(report, error)
+
+    def end(self, report: Recovered | None, error: BaseException | None) -> None:
+        """Record the recovery, let join() return (or raise ``error``), and dispatch what waited."""
+        with self._book.lock:
+            lost, self.lost_meanwhile = self.lost_meanwhile, set()
+            self.state = RecoveryState.HALTED if error is not None else RecoveryState.DISPATCHING
+            if report is not None:
+                self._book.recoveries.append(report)
+            if error is not None:  # what is queued waits for join() to raise it (and cancel them)
+                self._book.record_error(error)
+            elif self._should_recover(lost):  # servers seen leaving meanwhile that this one did not replace
+                self._begin()
+            back = error is None and not self.recovering
+            self._book.lock.notify_all()
+        if back:
+            for callback in self._recovered:
+                callback()
 
 
 @dataclasses.dataclass

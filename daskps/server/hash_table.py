@@ -6,7 +6,7 @@ the arena's shape, so the dense optimizers' row-local update runs unchanged
 on the rows a gradient names. A freed row's place is reused, its slots
 reset as the optimizer's ``init`` makes them.
 
-The rules, exactly (``tests/test_embedding_table.py`` checks them against a
+The rules, exactly (``tests/embeddings/test_hash_table.py`` checks them against a
 reference written from this text):
 
 - **Clock.** Every lookup and every gradient this part receives advances

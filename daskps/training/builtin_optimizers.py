@@ -6,7 +6,7 @@ checks do) and makes the pure transform of :mod:`daskps._core.transforms`
 that the servers run; :class:`~daskps.training.optimizers.Optimizer` does
 the rest (clipping on the trainer, one call per server). The numbers are
 Keras 3's, checked against Keras' own output in
-``tests/test_keras_optimizers.py``.
+``tests/optimizers/test_against_keras.py``.
 """
 
 from __future__ import annotations

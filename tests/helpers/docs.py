@@ -36,6 +36,6 @@ def python_blocks(text: str) -> list[Block]:
     return blocks
 
 
-# Every ```python block of the README runs here (the docs' blocks run in tests/test_docs.py); shell
+# Every ```python block of the README runs here (the docs' blocks run in tests/docs/test_pages.py); shell
 # commands are fenced ```bash. Each starts a cluster, so each must be a guarded script or notebook code.
 CLUSTER_BLOCKS = python_blocks(README.read_text())
