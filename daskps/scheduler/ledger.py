@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from daskps.scheduler.messages import CloseInput, OpenInput
+from daskps.scheduler.messages import END, EPOCH_END, GONE, CloseInput, Handed, OpenInput, Slice
 
 __all__ = ["InputLedger", "Inputs", "assign"]
 
@@ -148,30 +148,27 @@ class InputLedger:
 
     # -- streaming ----------------------------------------------------------------------------
     def claim(self, scheduler: Any, iterator: int, name: str, address: str, want: int = 1,
-              started: list[int] | tuple[int, ...] = ()) -> dict[str, Any]:
-        """Up to ``want`` next partitions for trainer ``name``, which has started ``started``.
-
-        ``{"partitions": [[partition, epoch, number], ...]}``, with ``"epoch_end": e`` once its
-        share of epoch ``e`` is handed out, or ``"end": True`` once all is. ``number`` is the
-        trainer's (it seeds its shuffle). ``want=0`` only notes what it started.
+              started: list[int] | tuple[int, ...] = ()) -> Handed:
+        """Up to ``want`` next partitions for trainer ``name``, which has started ``started``, then
+        ``EPOCH_END`` once its share of the epoch is handed out, or ``END`` once all is. ``want=0``
+        only notes what it started.
         """
         self.addresses[address] = name
         st = self.streams.setdefault(iterator, _Stream())
         ahead = st.ahead.setdefault(name, {})
         for partition in started:
             ahead.pop(partition, None)
-        out: dict[str, Any] = {"partitions": []}
-        while len(out["partitions"]) < want:
+        partitions: list[list[int]] = []
+        while len(partitions) < want:
             answer = self._one(scheduler, st, name)
-            if "partition" not in answer:
-                out.update(answer)
-                break
-            out["partitions"].append([answer["partition"], answer["epoch"], answer["number"]])
-        return out
+            if isinstance(answer, Handed):
+                return answer._replace(partitions=partitions)
+            partitions.append(answer)
+        return Handed(partitions)
 
-    def _one(self, scheduler: Any, st: _Stream, name: str) -> dict[str, Any]:
-        """The next partition for ``name``: ``{"partition", "epoch", "number"}``, or the end of its
-        epoch ``{"epoch_end": e}``, or of everything ``{"end": True}``."""
+    def _one(self, scheduler: Any, st: _Stream, name: str) -> list[int] | Handed:
+        """The next partition for ``name``, ``[partition, epoch, number]``, or the end of its epoch or of
+        everything (a ``Handed`` with no partitions)."""
         if name not in st.epoch:  # a trainer not in a planned epoch starts with the next one
             st.epoch[name] = next((e for e, s in enumerate(st.shares) if name in s), len(st.shares))
         epoch, number = st.epoch[name], self._number(name)
@@ -180,7 +177,7 @@ class InputLedger:
                 st.got[name] = st.got.get(name, 0) + 1
                 return self._handed(st, name, orphans.popleft(), max(epoch, e), number, e)
         if self.epochs is not None and epoch >= self.epochs:
-            return {"end": True}
+            return Handed([], END)
         if epoch == len(st.shares):  # the first to reach this epoch plans it, over the trainers alive now
             trainers = sorted(set(self._trainers(scheduler)) | {name})
             plan = self._plan(scheduler, trainers)
@@ -198,31 +195,30 @@ class InputLedger:
             return self._handed(st, name, share.popleft(), epoch, number, epoch)
         st.epoch[name] = epoch + 1
         if not st.got.pop(name, 0) and self.epochs is None:
-            return {"end": True}  # nothing here this epoch: repeating forever would only spin
-        return {"epoch_end": epoch}
+            return Handed([], END)  # nothing here this epoch: repeating forever would only spin
+        return Handed([], EPOCH_END, epoch)
 
-    def _handed(self, st: _Stream, name: str, partition: int, epoch: int, number: int, of: int) -> dict[str, Any]:
+    def _handed(self, st: _Stream, name: str, partition: int, epoch: int, number: int, of: int) -> list[int]:
         """Hand ``partition`` (of epoch ``of``'s plan) to ``name``, to read as part of its epoch ``epoch``."""
         self.fetched.setdefault(name, set()).add(partition)  # kept by the trainer (read from memory if held)
         st.ahead.setdefault(name, {})[partition] = of
-        return {"partition": partition, "epoch": epoch, "number": number}
+        return [partition, epoch, number]
 
     # -- exactly once -------------------------------------------------------------------------
     def claim_batch(self, scheduler: Any, iterator: int, name: str, address: str,
-                    function: int | None, n: int) -> dict[str, Any]:
-        """The next batch for the ``n``-th ``next`` of scheduled function ``function``:
-        ``{"partition", "start", "stop", "epoch"}`` or ``{"end": True}``; the same answer again when
-        that function runs again."""
+                    function: int | None, n: int) -> Slice:
+        """The next batch for the ``n``-th ``next`` of scheduled function ``function``, or ``END``; the
+        same answer again when that function runs again."""
         self.addresses[address] = name
         q = self.queues.get(iterator)
         if q is None:
             q = self.queues[iterator] = _Queue()
             self._fill(q)
         if function is not None and n in q.given.get(function, {}):
-            return dict(zip(("partition", "start", "stop", "epoch"), q.given[function][n]))
+            return Slice(*q.given[function][n])
         while not any(q.left.values()):
             if self.epochs is not None and q.epoch + 1 >= self.epochs:
-                return {"end": True}
+                return Slice(then=END)
             q.epoch += 1
             self._fill(q)
         partition = self._pick(scheduler, q, name)
@@ -232,7 +228,7 @@ class InputLedger:
         answer = (partition, start, stop, q.epoch)
         if function is not None:
             q.given.setdefault(function, {})[n] = answer
-        return dict(zip(("partition", "start", "stop", "epoch"), answer))
+        return Slice(*answer)
 
     def _fill(self, q: _Queue) -> None:
         """The batches of epoch ``q.epoch``: ``batch_size`` rows at a time within each partition."""
@@ -298,11 +294,11 @@ class Inputs:
 
     def claim(self, scheduler: Any, dataset: str, iterator: int, name: str, address: str,
               function: int | None = None, n: int = 0, want: int = 1,
-              started: list[int] | None = None) -> dict[str, Any]:
+              started: list[int] | None = None) -> Handed | Slice | str:
         """A trainer reading ``dataset`` asks for its next partitions (or, exactly once, its batch)."""
         ledger = self.ledgers.get(dataset)
         if ledger is None:
-            return {"gone": True}
+            return GONE  # either kind of reader rebuilds it (Handed.of, Slice.of)
         if ledger.exactly_once:
             return ledger.claim_batch(scheduler, iterator, name, address, function, n)
         return ledger.claim(scheduler, iterator, name, address, want, started or ())

@@ -26,7 +26,7 @@ PLUGIN_NAME = "daskps"
 REPORTED_HANDLER = "daskps_reported"  # (key=batch key) -> Reported
 TRAINERS_HANDLER = "daskps_trainers"  # (resource=...) -> how many live workers hold it
 CLEANUP_HANDLER = "daskps_run_cleanup"  # (server_key=..., cleanup_id=...): run a cleanup now
-INPUT_HANDLER = "daskps_input_claim"  # a trainer's next partitions or batch of a dps.data dataset
+INPUT_HANDLER = "daskps_input_claim"  # a trainer's next partitions or batch of a dps.data dataset: Handed or Slice
 STATS_HANDLER = "daskps_coordinator_stats"  # (token=..., stats=...): a coordinator's counts
 
 # -- event topics -----------------------------------------------------------------------------------
@@ -70,6 +70,40 @@ def load_error(payload: bytes) -> BaseException:
     if hasattr(exc, "add_note"):  # Python 3.11+
         exc.add_note(f"raised in a scheduled function on a worker:\n{where}")
     return exc
+
+
+# What follows the partitions of an input claim's answer ("" : nothing yet, ask again).
+EPOCH_END = "epoch-end"  # this trainer's share of the epoch is all handed out
+END = "end"  # nothing more for this trainer, ever
+GONE = "gone"  # the dataset was dropped
+
+
+class Handed(NamedTuple):
+    """``INPUT_HANDLER``'s answer to a streaming claim: partitions to read, then what follows them."""
+
+    partitions: list[list[int]]  # [partition, epoch, number] each; number seeds the trainer's shuffle
+    then: str = ""  # "", EPOCH_END, END or GONE
+    epoch: int = -1  # with EPOCH_END: the epoch whose share is handed out
+
+    @classmethod
+    def of(cls, answer: Any) -> Handed:
+        """The answer as it arrives (a msgpack list, or ``GONE`` for a dropped dataset), rebuilt."""
+        return cls([], GONE) if answer == GONE else cls(*answer)
+
+
+class Slice(NamedTuple):
+    """``INPUT_HANDLER``'s answer to an exactly-once claim: the rows of one batch, or the end."""
+
+    partition: int = -1
+    start: int = 0
+    stop: int = 0
+    epoch: int = 0
+    then: str = ""  # "": a batch; END or GONE: no batch
+
+    @classmethod
+    def of(cls, answer: Any) -> Slice:
+        """The answer as it arrives (a msgpack list, or ``GONE`` for a dropped dataset), rebuilt."""
+        return cls(then=GONE) if answer == GONE else cls(*answer)
 
 
 class Reported(NamedTuple):

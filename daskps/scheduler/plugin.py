@@ -154,8 +154,9 @@ class DaskPSSchedulerPlugin(SchedulerPlugin):
         return sum(1 for amount in self.scheduler.resources.get(resource, {}).values() if amount > 0)
 
     def input_claim(self, dataset: str, iterator: int, name: str, address: str, function: int | None = None,
-                    n: int = 0, want: int = 1, started: list[int] | None = None) -> dict[str, Any]:
-        """Asked by a trainer reading a ``dps.data`` dataset: its next partitions (or batch, exactly once)."""
+                    n: int = 0, want: int = 1, started: list[int] | None = None) -> Any:
+        """Asked by a trainer reading a ``dps.data`` dataset: its next partitions (``messages.Handed``) or,
+        exactly once, its batch (``messages.Slice``), or ``messages.GONE`` for a dataset dropped."""
         return self.inputs.claim(self.scheduler, dataset, iterator, name, address, function, n, want, started)
 
     def answer(self, request: messages.Request) -> None:

@@ -47,7 +47,7 @@ from daskps.distribute.dask_data import (
     slice_rows,
     take_rows,
 )
-from daskps.scheduler.messages import INPUT_HANDLER
+from daskps.scheduler.messages import END, EPOCH_END, INPUT_HANDLER, Handed, Slice
 from daskps.trainer.datasets import call_position
 
 __all__ = ["Source"]
@@ -78,7 +78,7 @@ class Source:
     def __iter__(self) -> Iterator[Any]:
         return self.daskps_iterator(0)
 
-    def ask(self, iterator_id: int, **extra: Any) -> dict[str, Any]:
+    def ask(self, iterator_id: int, **extra: Any) -> Any:
         """The ledger's answer (see :mod:`daskps.scheduler.ledger`), waited for."""
         w = self.worker
         return sync(w.loop, getattr(w.scheduler, INPUT_HANDLER), dataset=self.reader.published,
@@ -122,7 +122,7 @@ class Streaming:
         self.batcher = Batcher(source.reader)
         self.epoch: int | None = None
         self.handed: deque[list[int]] = deque()  # [partition, epoch, number], not started yet
-        self.then: dict[str, Any] | None = None  # what comes after them: the end of an epoch, or of all
+        self.then: Handed | None = None  # what comes after them: the end of an epoch, or of all
         self.asking: concurrent.futures.Future | None = None
         self.unsent: list[int] = []  # partitions started, not yet said to the ledger
         self.lock = threading.Lock()
@@ -140,15 +140,15 @@ class Streaming:
                 then, self.then = self.then, None
                 batcher.flush()
                 self.epoch = None
-                if "epoch_end" not in then and not batcher.ready:
+                if then.then != EPOCH_END and not batcher.ready:
                     raise StopIteration
             else:
                 asking, self.asking = self.asking, None
-                answer = asking.result() if asking is not None else None
-                if answer is None or ("end" in answer and not answer["partitions"]):
+                answer = Handed.of(asking.result()) if asking is not None else None
+                if answer is None or (answer.then == END and not answer.partitions):
                     # Asked afresh at the end: a trainer that died since the answer came may have left
                     # partitions to read.
-                    answer = self.source.ask(self.id, want=LOOKAHEAD, started=self._take_unsent())
+                    answer = Handed.of(self.source.ask(self.id, want=LOOKAHEAD, started=self._take_unsent()))
                 self._heard(answer)
         return batcher.ready.popleft()
 
@@ -183,11 +183,11 @@ class Streaming:
         if started:
             self.source.ask_ahead(self.id, want=0, started=started)
 
-    def _heard(self, answer: dict[str, Any]) -> None:
-        self.handed.extend(answer.get("partitions", ()))
-        if "partitions" not in answer or len(answer) > 1:  # "gone" (the dataset was dropped), or an end
+    def _heard(self, answer: Handed) -> None:
+        self.handed.extend(answer.partitions)
+        if answer.then:  # the dataset was dropped, or an end
             self.then = answer
-        if "epoch_end" in answer:  # the next epoch's share, asked for while this one is read
+        if answer.then == EPOCH_END:  # the next epoch's share, asked for while this one is read
             self.asking = self.source.ask_ahead(self.id, want=LOOKAHEAD, started=self._take_unsent())
 
 
@@ -204,18 +204,18 @@ class Once:
 
     def __next__(self) -> Any:
         function, n = call_position(self)
-        answer = self.source.ask(self.id, function=function, n=n)
-        if "partition" not in answer:
+        answer = Slice.of(self.source.ask(self.id, function=function, n=n))
+        if answer.then:  # the end, or the dataset was dropped
             raise StopIteration
-        i, start, stop = answer["partition"], answer["start"], answer["stop"]
+        i, start, stop = answer.partition, answer.start, answer.stop
         part = self.source.load(i)
         if not self.r.shuffle:
             return self.batcher.batch([slice_rows(a, start, stop) for a in part])
-        order = self.orders.get((i, answer["epoch"]))
+        order = self.orders.get((i, answer.epoch))
         if order is None:
             if len(self.orders) > 64:
                 self.orders.clear()
             # The same on every trainer: a function run again reads the same rows.
-            rng = np.random.default_rng([self.r.seed, answer["epoch"], i])
-            order = self.orders[i, answer["epoch"]] = rng.permutation(self.r.rows[i])
+            rng = np.random.default_rng([self.r.seed, answer.epoch, i])
+            order = self.orders[i, answer.epoch] = rng.permutation(self.r.rows[i])
         return self.batcher.batch([take_rows(a, order[start:stop]) for a in part])

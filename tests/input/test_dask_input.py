@@ -451,6 +451,7 @@ def _count_requests():
     """On a worker: record each request its trainers make to the ledger, waited for (``Source.ask``) or not
     (``Source.ask_ahead``): ``(trainer, "wait", partitions handed?)`` or ``(trainer, "ahead", how many)``
     (0: only notes of the partitions it started)."""
+    from daskps.scheduler.messages import Handed
     from daskps.trainer import dask_input
 
     source = dask_input.Source
@@ -460,7 +461,7 @@ def _count_requests():
 
     def counted_ask(self, iterator_id, **extra):
         answer = ask(self, iterator_id, **extra)
-        calls.append((str(self.worker.name), "wait", bool(answer.get("partitions"))))
+        calls.append((str(self.worker.name), "wait", bool(Handed.of(answer).partitions)))
         return answer
 
     def counted_ask_ahead(self, iterator_id, **extra):
