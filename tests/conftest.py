@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import multiprocessing
 import os
 import pathlib
 
@@ -10,6 +11,7 @@ import dask
 import pytest
 from _pytest.doctest import DoctestItem
 from distributed import Client
+from distributed.utils import get_mp_context
 
 # Keras 3 runs on JAX in the tests (its default backend, TensorFlow, is not installed); worker
 # processes inherit this.
@@ -21,6 +23,10 @@ import daskps as dps
 # pandas already (Dask's own test suite does the same): a cluster starts in 0.4 s instead of 2 s. Scripts
 # and notebooks the tests run in a process of their own keep Dask's default (spawn).
 dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
+# ...and that process has imported daskps too (which each worker imports for its plugin): Dask's own list,
+# set on first use, is replaced here (it is read once, when the fork server starts).
+get_mp_context()
+multiprocessing.get_context("forkserver").set_forkserver_preload(["distributed", "pandas", "daskps"])
 
 # tests/data holds generated fixtures and the script (needing TensorFlow) that makes them.
 collect_ignore_glob = ["data/*", "mutation/*"]  # mutation/: tools for mutation testing (tests/README.md)

@@ -28,7 +28,6 @@ from typing import Any
 
 from dask.utils import format_bytes
 
-from daskps._core import views
 from daskps._core.config import setting
 from daskps.scheduler.messages import PLUGIN_NAME
 from daskps.scheduler.plugin import DaskPSSchedulerPlugin
@@ -185,15 +184,3 @@ def dask_setup(scheduler: Any) -> None:
         scheduler.add_plugin(DaskPSSchedulerPlugin(scheduler), name=PLUGIN_NAME)
     add_to_navigation(scheduler)
 
-
-class _OnLocalCluster(views.ClusterExtra):
-    """Registered in :data:`daskps._core.views.CLUSTER_EXTRAS`: a LocalPSCluster's scheduler shows the page."""
-
-    def before_start(self) -> None:
-        register_page()
-
-    def started(self, scheduler: Any) -> None:
-        add_to_navigation(scheduler)
-
-
-views.CLUSTER_EXTRAS.append(_OnLocalCluster())
