@@ -212,7 +212,8 @@ def _own_names(cls: ast.ClassDef) -> set[str]:
 
 
 def _private(name: str) -> bool:
-    return name.startswith("_") and not name.startswith("__") and name not in NAMEDTUPLE_API
+    display_protocol = name.startswith("_repr_") and name.endswith("_")  # IPython's rich display: public
+    return name.startswith("_") and not name.startswith("__") and name not in NAMEDTUPLE_API and not display_protocol
 
 
 def private_reads(source: str) -> list[tuple[int, str]]:
