@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import signal
 import urllib.request
 
 import numpy as np
@@ -37,7 +38,16 @@ def test_roles_and_the_dashboard_from_environment_variables_alone(tmp_path):
         assert {"/individual-daskps", *PAGES} <= set(plots.values())  # the preload came from the environment
 
 
-def test_the_jobqueue_recipe_writes_job_scripts_with_the_roles(tmp_path):
+@pytest.fixture
+def sigint_kept():
+    """Importing ``dask_jobqueue`` installs its own SIGINT handler in this process (``dask_jobqueue.runner``,
+    which exits): put Python's back, or a later test's simulated Ctrl-C ends in SystemExit."""
+    handler = signal.getsignal(signal.SIGINT)
+    yield
+    signal.signal(signal.SIGINT, handler)
+
+
+def test_the_jobqueue_recipe_writes_job_scripts_with_the_roles(tmp_path, sigint_kept):
     jobqueue = pytest.importorskip("dask_jobqueue")  # in the test extra
     from dask_jobqueue.slurm import SLURMJob
 
