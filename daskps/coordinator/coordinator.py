@@ -220,7 +220,10 @@ class ClusterCoordinator:
         Batches are made from what is queued when dispatch looks: held, a
         burst of ``schedule`` calls is batched as one, whatever the timing of
         the calls (without it, the first calls may go out before the later
-        ones are made). Blocks may nest; the outermost releases them.
+        ones are made). Blocks may nest; the outermost releases them. While
+        any block is open, in any thread, nothing goes out (functions queued
+        before it, or run again after a lost server, wait too): do not wait
+        for results (``join``, ``fetch``) inside one.
 
         >>> with coordinator.hold():                                   # doctest: +SKIP
         ...     values = [coordinator.schedule(step) for _ in range(100)]

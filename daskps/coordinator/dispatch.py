@@ -43,6 +43,7 @@ class Dispatcher:
         self._batch_ids = itertools.count()
         self.trainers = len(strategy.trainer_names)  # live trainers, counted again as work is dispatched
         self._trainers_at = time.monotonic()
+        recovery.on_moved(self._moved)
         recovery.on_recovered(self._recovered)
 
     def wake(self) -> None:
@@ -63,9 +64,12 @@ class Dispatcher:
             if not self._held:
                 self.wake()
 
-    def _recovered(self) -> None:
-        """The lost servers are back, at new addresses: trainers learn them with the next batch."""
+    def _moved(self) -> None:
+        """Lost servers run at new addresses: trainers learn them from the strategy the next batch carries."""
         self._strategy_blob = dumps_or_explain(self._strategy, "strategy")
+
+    def _recovered(self) -> None:
+        """Every lost server is back: what waited goes out."""
         with contextlib.suppress(Exception):  # the client is closing: nothing to dispatch
             self._client.loop.add_callback(self.pump)
 

@@ -69,8 +69,9 @@ class Recovery:
     (:meth:`on_lost`); ``join``, that everything pending was cancelled
     (:meth:`resume`). It decides: whether to recover (only with a checkpoint
     manager), when dispatch waits (:attr:`dispatching`), what runs again. A
-    recovery runs in a thread of its own; at its end, the callbacks given to
-    :meth:`on_recovered` run (dispatch goes on). Methods that take no lock
+    recovery runs in a thread of its own; once the servers run at new
+    addresses the callbacks given to :meth:`on_moved` run, and at its end
+    those given to :meth:`on_recovered` (dispatch goes on). Methods that take no lock
     run under the book's.
     """
 
@@ -81,6 +82,7 @@ class Recovery:
         self.lost_meanwhile: set[str] = set()  # servers seen leaving while a recovery ran: looked at at its end
         self._lossy: set[str] = set()  # batches stopped by a lost server: their unrun functions run again
         self.rerun = 0  # functions run again since the current recovery began
+        self._moved: list[Callable[[], None]] = []
         self._recovered: list[Callable[[], None]] = []
 
     @property
@@ -90,6 +92,11 @@ class Recovery:
     @property
     def dispatching(self) -> bool:
         return self.state is RecoveryState.DISPATCHING
+
+    def on_moved(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` in the recovery's thread once lost servers run at new addresses, before the
+        recovery ends (an error it raises fails the recovery, as a restore that fails does)."""
+        self._moved.append(callback)
 
     def on_recovered(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` (no lock held) when a recovery has brought every server back."""
@@ -162,6 +169,9 @@ class Recovery:
         report, error = None, None
         try:
             report = recover(self._strategy, self.manager, self._book.finished_by_generation)
+            if report is not None:
+                for callback in self._moved:
+                    callback()
         except BaseException as exc:  # no worker came, or the checkpoint does not restore: raised by join()
             error = exc
         try:
