@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import struct
 import weakref
 from collections.abc import Callable
@@ -31,20 +32,34 @@ def open_channel(server: Any, host: str, loop: asyncio.AbstractEventLoop,
     """
     ref = weakref.ref(server)
     connections: weakref.WeakSet[_Serving] = weakref.WeakSet()
+    # Our own listening socket and accept, not ``loop.create_server``: asyncio (3.11) drops a connection it
+    # accepted just before its server closed without closing it, and a caller that had connected and sent
+    # a request then waited for an answer until the garbage collector closed that socket (about a minute).
+    # Here every accepted connection gets its transport, and one whose server is gone is closed at its
+    # first request.
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.create_server((host, 0), family=family)
+    listener.setblocking(False)
 
     def serving() -> _Serving:
         connection = _Serving(ref, alive)
         connections.add(connection)
         return connection
 
-    async def start() -> asyncio.Server:
-        return await loop.create_server(serving, host, 0)
-
-    listener = asyncio.run_coroutine_threadsafe(start(), loop).result()
-    port = listener.sockets[0].getsockname()[1]
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # closed meanwhile
+                return
+            conn.setblocking(False)
+            loop.create_task(_attach(loop, serving, conn))
 
     def close_all() -> None:
-        listener.close()
+        loop.remove_reader(listener.fileno())
+        listener.close()  # connections still waiting to be accepted are refused
         for connection in list(connections):
             if connection.transport is not None:
                 connection.transport.close()
@@ -53,9 +68,18 @@ def open_channel(server: Any, host: str, loop: asyncio.AbstractEventLoop,
         try:
             loop.call_soon_threadsafe(close_all)
         except RuntimeError:  # the loop is closed: so is everything on it
-            pass
+            listener.close()
 
+    port = listener.getsockname()[1]
+    loop.call_soon_threadsafe(loop.add_reader, listener.fileno(), accept)
     return f"{host}:{port}", close
+
+
+async def _attach(loop: asyncio.AbstractEventLoop, serving: Callable[[], _Serving], conn: socket.socket) -> None:
+    try:
+        await loop.connect_accepted_socket(serving, conn)
+    except OSError:  # the caller went away before its connection was set up
+        conn.close()
 
 
 class _Serving(asyncio.BufferedProtocol):

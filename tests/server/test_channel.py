@@ -134,3 +134,52 @@ def test_a_server_listening_where_a_released_one_did_gets_a_channel_of_its_own()
     channels.forget([new])
     for sock in (old_end, new_end, new_listener):
         sock.close()
+
+
+class _Answers:
+    """A stand-in server for the serving end: answers every request."""
+
+    def execute(self, message, shared_reads=False):
+        return ["answered"]
+
+
+def test_a_caller_that_connected_as_the_server_closed_is_answered_or_closed_never_left_waiting():
+    """A caller that connected just as the server's listener closed (its actor dropped) and then sends a
+    request gets an answer or a closed connection at once. asyncio's own server dropped a connection it had
+    accepted just before closing, unclosed: the caller waited about a minute, until the garbage collector
+    closed that socket (seen as a 50-80 s read of a released server in the suite)."""
+    import asyncio
+    import socket
+
+    from daskps._core import wire
+    from daskps.server import serving
+
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    request = b"".join(bytes(p) for p in wire.framed(wire.pack_grouped([("read",)], False)))
+    outcomes = {"answered": 0, "closed": 0, "waiting": 0}
+    try:
+        for _ in range(300):  # the old listener left about one in 30 of these waiting
+            server = _Answers()
+            address, close = serving.open_channel(server, "127.0.0.1", loop)
+            host, port = address.rsplit(":", 1)
+            caller = socket.create_connection((host, int(port)))
+            closer = threading.Thread(target=close)  # as the caller's connection is being accepted
+            closer.start()
+            caller.settimeout(5)
+            try:
+                caller.sendall(request)
+                outcomes["answered" if caller.recv(8) else "closed"] += 1
+            except TimeoutError:
+                outcomes["waiting"] += 1
+            except OSError:  # reset: refused once the listener closed
+                outcomes["closed"] += 1
+            finally:
+                closer.join()
+                caller.close()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(5)
+    assert outcomes["waiting"] == 0, f"callers left waiting 5 s for an answer or a close: {outcomes}"
+    assert outcomes["answered"] + outcomes["closed"] == 300
