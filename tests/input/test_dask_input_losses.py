@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from distributed import get_worker
+from distributed.core import Status
 
 import daskps as dps
 from daskps.distribute.cluster import cluster_workers
@@ -35,11 +36,15 @@ def _wait_done(coordinator, n):
 
 def _kill_for_good(cluster, client, name):
     """SIGKILL trainer ``name`` with its Nanny told not to start another: it does not come back."""
-    cluster.workers[name].auto_restart = False  # the Nanny lives in this process (LocalCluster)
+    # The Nanny lives in this process (LocalCluster). One that is closing gracefully closes once its worker
+    # process exits, instead of starting another (Dask's Nanny has no switch for that any more).
+    cluster.workers[name].status = Status.closing_gracefully
     addr = worker_address(client, name)
     os.kill(client.run(os.getpid, workers=[addr])[addr], signal.SIGKILL)
     wait_until(lambda: name not in {w['name'] for w in cluster_workers(client).values()}, 30,
                failure=lambda: f"{name} is still in the cluster", interval=0.05, collect=False)
+    wait_until(lambda: cluster.workers[name].status == Status.closed, 30,
+               failure=lambda: f"{name}'s Nanny is {cluster.workers[name].status}", interval=0.05, collect=False)
 
 
 def _partition_of(ids, rows_per_partition):
@@ -70,6 +75,7 @@ def test_a_trainer_killed_for_good_leaves_its_unread_partitions_to_the_others(fr
     first = coordinator.fetch([coordinator.schedule(_read_slowly, args=(it, 0.2)) for _ in range(4)])
     _kill_for_good(cluster, client, "worker-1")
     rest = _read_until_all_end(coordinator, it, {"worker-0"})
+    assert {n for n, _ in rest} == {"worker-0"}, "worker-1 came back"
     ids = np.concatenate([ids for _, ids in first + rest if ids is not None])
     assert len(np.unique(ids)) == len(ids), "a row was read twice"
     missing = np.setdiff1d(np.arange(rows), ids)
