@@ -6,6 +6,8 @@ import gc
 import threading
 import time
 
+COLLECT_EVERY = 0.5
+
 
 def wait_until(check, timeout: float = 20.0, what: str = "condition", *, failure=None,
                interval: float = 0.05, collect: bool = True):
@@ -13,13 +15,17 @@ def wait_until(check, timeout: float = 20.0, what: str = "condition", *, failure
 
     The one polling loop of the suite: anything that arrives asynchronously (a report through the
     scheduler, a release, a count on a server) is waited for here. ``collect`` runs the garbage
-    collector before each look (releases are triggered by finalizers); the assertion says
-    ``failure`` (or what ``failure()`` returns, then), or that ``what`` was not reached.
+    collector before the first look and at most every ``COLLECT_EVERY`` seconds after (releases are
+    triggered by finalizers; a full collection costs 40-200 ms of CPU once Keras, JAX or PyTorch are
+    imported, which polling every 10-50 ms would spend over and over); the assertion says ``failure``
+    (or what ``failure()`` returns, then), or that ``what`` was not reached.
     """
     deadline = time.monotonic() + timeout
+    collected = -COLLECT_EVERY
     while True:
-        if collect:
+        if collect and time.monotonic() - collected >= COLLECT_EVERY:
             gc.collect()
+            collected = time.monotonic()
         value = check()
         if value or time.monotonic() > deadline:
             assert value, (failure() if callable(failure) else failure) or f"{what} not reached in {timeout}s"
