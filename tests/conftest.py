@@ -49,6 +49,12 @@ def pytest_addoption(parser):
                      help="with --in-process: keep every test of FILE too (mutation testing of cluster-bound code)")
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    if config.getoption("--in-process"):  # under a minute: one process (the selection is made per process)
+        config.option.numprocesses = 0
+
+
 def _starts_processes(fn, seen=None) -> bool:
     """Whether ``fn``, or a function of its module that it calls, has a word of ``_STARTS_PROCESSES``."""
     seen = set() if seen is None else seen

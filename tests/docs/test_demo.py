@@ -92,8 +92,8 @@ def test_demo_rejects_an_unknown_model():
         run_demo(DemoConfig(model="torch"))
 
 
+@pytest.mark.cluster
 def test_example_script_trains(tmp_path):
-
     script = ROOT / "examples" / "train_softmax.py"
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -243,7 +243,7 @@ def _server(root: Path) -> subprocess.Popen[str]:
 def run_one(root: Path, name: str, tests: list[str], per_test: int, whole: int) -> dict[str, object]:
     if not tests:
         return {"mutant": name, "verdict": "no tests", "tests": 0}
-    args = ["-x", "-q", "--tb=line", "-p", "no:cacheprovider", f"--timeout={per_test}", *tests]  # line: no source parsed
+    args = ["-x", "-q", "--tb=line", "-p", "no:cacheprovider", "-n", "0", f"--timeout={per_test}", *tests]  # line: no source parsed
     start = time.monotonic()
     server = _server(root)
     assert server.stdin is not None and server.stdout is not None
