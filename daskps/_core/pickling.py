@@ -100,6 +100,11 @@ class FunctionCache:
     def __len__(self) -> int:
         return len(self._functions)
 
+    def keys(self) -> list[bytes]:
+        """The pickled bytes of the functions kept, the least recently used first."""
+        with self._lock:
+            return list(self._functions)
+
 
 # -- where a scheduled function's code came from ----------------------------------------------------
 _MAX_SOURCE = 64 << 10  # bytes of a function's source sent along at most

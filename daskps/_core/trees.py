@@ -146,10 +146,11 @@ def _jax_split(node: Any) -> tuple[list[tuple[Any, Any]], Callable[[list[Any]], 
     flat, treedef = tu.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
     if treedef.num_nodes == 1 and treedef.num_leaves == 1:  # JAX sees a leaf
         return None
-    return [(_jax_key(path[0]), child) for path, child in flat], lambda vals: tu.tree_unflatten(treedef, vals)
+    return [(jax_key(path[0]), child) for path, child in flat], lambda vals: tu.tree_unflatten(treedef, vals)
 
 
-def _jax_key(key: Any) -> Any:
+def jax_key(key: Any) -> Any:
+    """One step of a JAX key path as a tree path item: a dict key, an attribute name or an index."""
     for attr in ("key", "name", "idx"):  # DictKey, GetAttrKey, SequenceKey / FlattenedIndexKey
         if hasattr(key, attr):
             return getattr(key, attr)

@@ -177,13 +177,13 @@ def _scatter_div(arr: np.ndarray, idx: np.ndarray, vals: np.ndarray) -> None:
             np.divide.at(arr, idx, vals)
         return
     # Integer division truncates toward zero (as TensorFlow's), one duplicate at a time.
-    for sel in _occurrence_rounds(idx):
+    for sel in occurrence_rounds(idx):
         rows, by = arr[idx[sel]], vals[sel]
         quotient = np.abs(rows) // np.abs(by)
         arr[idx[sel]] = np.where((rows < 0) != (by < 0), -quotient, quotient)
 
 
-def _occurrence_rounds(idx: np.ndarray) -> list[np.ndarray]:
+def occurrence_rounds(idx: np.ndarray) -> list[np.ndarray]:
     """Masks over ``idx``: the first occurrence of each index, then the second, ..."""
     order = np.argsort(idx, kind="stable")
     ordered = idx[order]

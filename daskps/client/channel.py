@@ -44,7 +44,8 @@ class Channel:
         self.lock = threading.Lock()
         self._sock: socket.socket | None = None
 
-    def _connected(self) -> socket.socket:
+    def connect(self) -> socket.socket:
+        """The open connection to the server, opened now if there is none (it opens at first use)."""
         if self._sock is None:
             host, port = self.address.rsplit(":", 1)
             sock = socket.create_connection((host, int(port)), timeout=self.timeout)
@@ -53,10 +54,15 @@ class Channel:
             self._sock = sock
         return self._sock
 
+    @property
+    def connected(self) -> bool:
+        """Whether a connection is open (none before the first use, nor once closed)."""
+        return self._sock is not None
+
     def send(self, ops: Sequence[object], by_value: bool = False) -> None:
         parts = wire.framed(wire.pack_grouped(ops, by_value))
         try:
-            _send_all(self._connected(), [memoryview(p).cast("B") for p in parts])
+            _send_all(self.connect(), [memoryview(p).cast("B") for p in parts])
         except OSError as exc:
             self.close()
             raise ChannelError(f"sending to {self.address} failed: {exc}") from exc
@@ -67,10 +73,10 @@ class Channel:
     def receive(self) -> Any:
         """The results of the request sent last; raises the server's error, or :class:`ChannelError`."""
         try:
-            sock = self._connected()
-            count = wire.COUNT.unpack(_receive(sock, 8))[0]
-            sizes = struct.unpack(f"!{count}Q", _receive(sock, 8 * count))
-            status, value = wire.unpack_grouped([_receive(sock, n) for n in sizes])
+            sock = self.connect()
+            count = wire.COUNT.unpack(receive_exactly(sock, 8))[0]
+            sizes = struct.unpack(f"!{count}Q", receive_exactly(sock, 8 * count))
+            status, value = wire.unpack_grouped([receive_exactly(sock, n) for n in sizes])
         except OSError as exc:
             self.close()
             raise ChannelError(f"receiving from {self.address} failed: {exc}") from exc
@@ -126,7 +132,8 @@ def _send_all(sock: socket.socket, parts: list[memoryview]) -> None:
             parts[0] = parts[0][sent:]
 
 
-def _receive(sock: socket.socket, n: int) -> bytearray:
+def receive_exactly(sock: socket.socket, n: int) -> bytearray:
+    """The next ``n`` bytes from ``sock``, waiting for all of them; ``ConnectionResetError`` if it closes first."""
     buffer = bytearray(n)
     view, got = memoryview(buffer), 0
     while got < n:

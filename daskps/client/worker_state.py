@@ -71,7 +71,7 @@ class DaskPSWorkerPlugin(WorkerPlugin):
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 
 
-class _QuietHeartbeatAtClose(logging.Filter):
+class QuietHeartbeatAtClose(logging.Filter):
     """Drops Dask's "failed to communicate with scheduler during heartbeat" once the workers are closing.
 
     A worker closing with its cluster stops its heartbeat timer and then its
@@ -95,7 +95,7 @@ class _QuietHeartbeatAtClose(logging.Filter):
 
 HEARTBEAT_FAILED = "Failed to communicate with scheduler during heartbeat."
 _CLOSING = frozenset({Status.closing, Status.closed, Status.closing_gracefully, Status.failed})
-_QUIET = _QuietHeartbeatAtClose()  # on Dask's worker logger from the first worker plugin's setup (not at import)
+_QUIET = QuietHeartbeatAtClose()  # on Dask's worker logger from the first worker plugin's setup (not at import)
 
 
 def mmap_threshold(threshold: object) -> int:

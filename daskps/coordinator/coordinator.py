@@ -173,7 +173,12 @@ class ClusterCoordinator:
         """How many trainers the coordinator counts on (asked of the scheduler again while work is queued)."""
         return self._dispatch.trainers
 
-    def _finished_by_generation(self) -> Any:
+    @property
+    def fetching(self) -> int:
+        """How many threads are waiting in a ``RemoteValue``'s ``fetch()`` now."""
+        return self._book.fetching
+
+    def finished_by_generation(self) -> Any:
         """How many functions finished, by the generation of servers their trainer knew (see the book)."""
         return self._book.finished_by_generation()
 

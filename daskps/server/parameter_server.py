@@ -42,7 +42,7 @@ from daskps.server.hash_table import HashTable
 from daskps.server.tables import DenseTable, Staged, Table
 
 
-def _sendable(exc: Exception) -> Exception:
+def sendable(exc: Exception) -> Exception:
     """``exc``, or a RuntimeError saying what it was if it would not travel back by pickle."""
     try:
         pickle.loads(pickle.dumps(exc))
@@ -121,17 +121,26 @@ class ParameterServer:
                     try:
                         results.append(handler(self, op))
                     except Exception as exc:  # that one changed nothing; the others go on
-                        results.append(Refused(_sendable(exc)))
+                        results.append(Refused(sendable(exc)))
                 else:
                     results.append(handler(self, op))
         except Exception as exc:
             if outcomes and len(results) > outcomes:  # the isolated operations ran: say how each went
-                raise PartlyAppliedError(_sendable(exc), results[1 : 1 + outcomes]) from None
+                raise PartlyAppliedError(sendable(exc), results[1 : 1 + outcomes]) from None
             raise
         return results
 
     def _where(self) -> str:
         return "this process" if self.task_id is None else f"ps task {self.task_id}"
+
+    @property
+    def tables(self) -> dict[str, Table]:
+        """The tables held here, by key (a new dict; the tables themselves, not copies)."""
+        return dict(self._tables)
+
+    def holders(self, key: str) -> dict[str, int]:
+        """Who holds ``key`` here and how many handles each (empty when nothing by that key is held)."""
+        return {holder: n for holder, n in self._holders.get(key, {}).items() if n > 0}
 
     # -- lifetimes ------------------------------------------------------------------
     def _new(self, key: str, holder: str) -> None:

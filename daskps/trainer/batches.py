@@ -148,7 +148,7 @@ class _Reporter:
             report, _ = self.waiting.popleft()
             refused = self.pipe.error_for(report.function)
             if refused is not None:  # a push it (or an eager function before it) made was refused
-                report = report._replace(status=ERROR, payload=_pickled_error(refused))
+                report = report._replace(status=ERROR, payload=pickled_error(refused))
             with self.lock:
                 self.outbox.append(report)
             final = final or report.status == ERROR
@@ -185,7 +185,7 @@ def _cancelled(worker: Any, key: str) -> bool:
 _FUNCTIONS: FunctionCache | None = None
 
 
-def _functions() -> FunctionCache:
+def function_cache() -> FunctionCache:
     """This process's unpickled scheduled functions (``daskps.function-cache-size`` of them)."""
     global _FUNCTIONS
     if _FUNCTIONS is None:
@@ -200,7 +200,7 @@ def _run_one(strategy: Any, blob: tuple[bytes, bytes]) -> tuple[str, bytes | Non
     try:
         # Outside borrowing: the handles a kept function captured live with it, borrowed (the
         # coordinator keeps their objects alive while it schedules those same bytes).
-        fn = _functions().load(blob[0])
+        fn = function_cache().load(blob[0])
         with refs.borrowing(made):
             args, kwargs = pickle.loads(blob[1])
             if any(type(x) is PerWorkerValues for x in (*args, *kwargs.values())):
@@ -212,11 +212,11 @@ def _run_one(strategy: Any, blob: tuple[bytes, bytes]) -> tuple[str, bytes | Non
             finally:
                 del fn, args, kwargs
     except StopIteration as exc:  # an input's end, uncaught: TensorFlow's OutOfRangeError
-        failed = _pickled_error(OutOfRangeError(f"{str(exc) or 'an iterator is exhausted'}; create a new one with "
-                                                "iter(dataset), or catch the end with next(iterator, None)"))
+        failed = pickled_error(OutOfRangeError(f"{str(exc) or 'an iterator is exhausted'}; create a new one with "
+                                               "iter(dataset), or catch the end with next(iterator, None)"))
         refs.drop_traceback(exc)
     except Exception as exc:
-        failed = _pickled_error(exc)
+        failed = pickled_error(exc)
         refs.drop_traceback(exc)  # its frames would keep the function's handles alive, as if left behind
     refs.keep_escaped(made)
     if failed is not None:
@@ -226,7 +226,7 @@ def _run_one(strategy: Any, blob: tuple[bytes, bytes]) -> tuple[str, bytes | Non
     try:
         payload = _quiet_dumps(value)
     except Exception as exc:
-        return ERROR, _pickled_error(TypeError(f"the result of a scheduled function cannot be pickled: {exc}")), None
+        return ERROR, pickled_error(TypeError(f"the result of a scheduled function cannot be pickled: {exc}")), None
     if len(payload) > INLINE_BYTES:
         return BIG, None, value
     return OK, payload, None
@@ -248,7 +248,7 @@ def _quiet_dumps(value: Any) -> bytes:
     return cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _pickled_error(exc: BaseException) -> bytes:
+def pickled_error(exc: BaseException) -> bytes:
     """``exc``, its traceback and its text: the text survives an exception that cannot be rebuilt."""
     where = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     text = f"{type(exc).__name__}: {exc}"

@@ -184,7 +184,7 @@ class PerWorkerDataset:
         self._lock = threading.Lock()
         strategy.on_close(self._release)
         # If the coordinator goes without dropping it, the scheduler has the trainers forget it.
-        strategy.client.run_on_scheduler(ask, AddCleanup(server.actor_key, dataset_id, dumps(_forget_on_worker),
+        strategy.client.run_on_scheduler(ask, AddCleanup(server.actor_key, dataset_id, dumps(forget_on_worker),
                                                          dumps((dataset_id,))))
         self._forget = weakref.finalize(self, _forget_later, strategy.client, dataset_id, server.actor_key)
 
@@ -198,13 +198,23 @@ class PerWorkerDataset:
         """What each trainer builds its dataset with (for ``dps.data.from_dask`` input, its reader)."""
         return self._fn
 
+    @property
+    def dataset_id(self) -> str:
+        """The id the trainers know this dataset by (what they build is kept under it)."""
+        return self._spec.dataset_id
+
+    @property
+    def blob(self) -> refs.Ref:
+        """The handle of the pickled ``dataset_fn`` on the parameter server that stores it (``.server``, ``.key``)."""
+        return self._spec.blob
+
     def _release(self) -> None:
         """Forget the dataset on every worker now (``strategy.close``)."""
         self._keep = None
         pending = self._forget.detach()
         if pending is not None:
             client, dataset_id, _ = pending[2]
-            client.run(_forget_on_worker, dataset_id, on_error="ignore")
+            client.run(forget_on_worker, dataset_id, on_error="ignore")
 
     def __repr__(self) -> str:
         return f"PerWorkerDataset(id={self._spec.dataset_id[:8]}, iterators={self._iterators})"
@@ -236,7 +246,8 @@ def _forget_later(client: Any, dataset_id: str, server_key: str) -> None:
         pass
 
 
-def _forget_on_worker(dataset_id: str, dask_worker: Any = None) -> None:
+def forget_on_worker(dataset_id: str, dask_worker: Any = None) -> None:
+    """On a worker (``client.run``): drop the dataset ``dataset_id`` built there, and its iterators."""
     state = existing_part(dask_worker, "datasets")
     if state is not None:
         state.forget(dataset_id)

@@ -84,6 +84,11 @@ class Checkpoint:
         self._objects = objects
         self.save_counter = 0
 
+    @property
+    def objects(self) -> dict[str, Any]:
+        """The named objects it saves and restores, as given (a new dict)."""
+        return dict(self._objects)
+
     # -- saving -----------------------------------------------------------------
     def save(self, file_prefix: str, progress: bool | None = None) -> str:
         """Write to ``f"{file_prefix}-{n}"`` with ``n = save_counter + 1``; return that path."""

@@ -213,6 +213,17 @@ class SidecarEvaluator:
         """Ask the background run to stop after the current evaluation."""
         self._stop.set()
 
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The thread :meth:`start` runs the evaluator in (``None`` before it is started)."""
+        return self._thread
+
+    @property
+    def published_dataset(self) -> str | None:
+        """The name ``data``'s partitions are published under on the scheduler (``None`` before the first
+        evaluation with ``data``)."""
+        return self._published
+
 
 def _checked_args(checkpoint_dir: Any, until: Any, max_evaluations: Any, poll_interval: Any, timeout: Any,
                   checkpoint_name: Any, log: Any) -> str:

@@ -153,6 +153,11 @@ class ScalarLogger:
             self._thread.start()
         return self
 
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The daemon thread :meth:`start` runs the logger in (``None`` before it is started)."""
+        return self._thread
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             self._guarded(self.poll)

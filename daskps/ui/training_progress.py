@@ -16,7 +16,8 @@ from daskps.ui.progress import ProgressBar
 __all__ = ["progress"]
 
 
-def _metric_text(metrics: dict[str, Any] | None) -> str:
+def metric_text(metrics: dict[str, Any] | None) -> str:
+    """``name=value`` of each metric (4 significant digits), or ``name=<Error>`` for one that cannot be read."""
     if not metrics:
         return ""
     parts = []
@@ -48,7 +49,7 @@ def progress(coordinator: ClusterCoordinator, metrics: dict[str, Any] | None = N
         while True:
             s = coordinator.summary()
             bar.total = s["since_join"]  # everything scheduled since the last join(), done or not
-            bar.update(bar.total - s["in_flight"], _metric_text(metrics))
+            bar.update(bar.total - s["in_flight"], metric_text(metrics))
             if s["in_flight"] == 0:
                 break
             time.sleep(interval)

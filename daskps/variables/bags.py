@@ -32,7 +32,7 @@ _LATEST: dict[tuple[str, str], int] = {}  # by (lane, table part key): the highe
 _HOLDER: list[str] = []
 
 
-def _lane() -> str:
+def lookup_lane() -> str:
     """Who looks up, for the servers: this process and thread (a thread's messages to a server stay in order)."""
     if not _HOLDER:
         _HOLDER.append(holder_here())
@@ -294,7 +294,7 @@ class Bags:
         :func:`daskps.variables.rows.plan_rows` does for rows."""
         parts = self.split(table)
         token = next(_TOKENS)
-        lane = _lane()
+        lane = lookup_lane()
         items = []
         for part in parts:
             key = part.handle.key
@@ -332,7 +332,7 @@ class Bags:
         """``(handle, "bags", BagGrad)`` for each part of ``table`` (``values``: a row per bag, divided
         already); a part that still holds this lookup's bags gets no ids, one holding none of them an
         empty gradient (every part counts the same steps, as for ``IndexedSlices``)."""
-        lane = _lane()
+        lane = lookup_lane()
         out = []
         parts = {part.handle.key: part for part in self.split(table)}
         for handle in _handles(table):

@@ -7,7 +7,7 @@ rows it needs, and read them with one call per parameter server, all at
 once, so they work for any row layout. Shards are anything with ``_ref``,
 ``shape`` and ``dtype``.
 
->>> _split_range(range(0, 10, 3), [0, 4, 10])
+>>> split_range(range(0, 10, 3), [0, 4, 10])
 [(0, slice(0, 4, 3)), (1, slice(2, 6, 3))]
 """
 
@@ -168,7 +168,7 @@ def getitem_by_rows(sv: Any, index: Any) -> np.ndarray:
 
 def _get_slice(sv: Any, parts: list, pos: int, first: slice) -> np.ndarray:
     """``sv[parts]`` where axis 0 is indexed by the slice ``first`` at ``parts[pos]``."""
-    pieces, shards = _split_range(range(*first.indices(sv.shape[0])), sv.row_offsets), sv.variables
+    pieces, shards = split_range(range(*first.indices(sv.shape[0])), sv.row_offsets), sv.variables
     named = pos < len(parts) and parts[pos] is not Ellipsis
     if all(x is None or x is Ellipsis or isinstance(x, slice) or is_int(x) for x in parts):
         # Basic indexing: each shard applies the whole index; only the result travels.
@@ -184,7 +184,7 @@ def _get_slice(sv: Any, parts: list, pos: int, first: slice) -> np.ndarray:
     return rows[tuple(parts)]
 
 
-def _split_range(r: range, offsets: Sequence[int]) -> list[tuple[int, slice]]:
+def split_range(r: range, offsets: Sequence[int]) -> list[tuple[int, slice]]:
     """The rows of ``r`` in each shard, as ``(shard, local slice)`` in ``r``'s order."""
     out = []
     shards = range(len(offsets) - 1)

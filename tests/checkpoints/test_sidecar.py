@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -40,8 +41,8 @@ def test_evaluates_each_new_checkpoint_on_the_evaluator_worker(with_evaluator, t
     for step in (10, 20, 30):
         w.assign_add(np.ones(3, np.float32))
         manager.save(checkpoint_number=step)
-        while len(sidecar.results) < step // 10 and sidecar._thread.is_alive():
-            sidecar._stop.wait(0.02)  # let it see each one before the next
+        while len(sidecar.results) < step // 10 and sidecar.thread.is_alive():
+            threading.Event().wait(0.02)  # let it see each one before the next
     results = sidecar.join(timeout=60)
     assert [p.rsplit("-", 1)[1] for p, _ in results] == ["10", "20", "30"]
     assert [m["total"] for _, m in results] == [3.0, 6.0, 9.0]
@@ -98,7 +99,7 @@ def test_evaluates_a_from_dask_dataset_on_the_evaluator_reading_every_row_once(w
                        "where": "evaluator-0", "path": f"{tmp_path}/ckpt-1"}
     assert path == f"{tmp_path}/ckpt-1"
     # Persisted on the evaluator: every partition lives there.
-    name = sidecar._published
+    name = sidecar.published_dataset
     held = with_evaluator.who_has([f for fs in with_evaluator.get_dataset(name) for f in fs])
     evaluator = next(a for a, w in with_evaluator.scheduler_info()["workers"].items() if w["name"] == "evaluator-0")
     assert held and all(list(where) == [evaluator] for where in held.values()), (held, evaluator)

@@ -56,10 +56,10 @@ def test_until_is_reached_by_a_later_number_and_an_earlier_one_does_not_stop_it(
     _commit(tmp_path, 4)
     calls = []
     sidecar = _started(tmp_path, calls, until=5, timeout=30)
-    assert sidecar._thread.is_alive()  # 4 < until: still watching
+    assert sidecar.thread.is_alive()  # 4 < until: still watching
     _commit(tmp_path, 9)
     results = sidecar.join(timeout=30)
-    assert not sidecar._thread.is_alive()
+    assert not sidecar.thread.is_alive()
     assert [p for p, _ in results] == [f"{tmp_path}/ckpt-4", f"{tmp_path}/ckpt-9"]
 
 
@@ -68,10 +68,10 @@ def test_max_evaluations_counts_evaluations_and_each_number_is_evaluated_once(tm
     calls = []
     sidecar = _started(tmp_path, calls, max_evaluations=2, timeout=30)
     threading.Event().wait(0.1)  # several polls see the same checkpoint
-    assert calls == [f"{tmp_path}/ckpt-1"] and sidecar._thread.is_alive()
+    assert calls == [f"{tmp_path}/ckpt-1"] and sidecar.thread.is_alive()
     _commit(tmp_path, 2)
     assert [p for p, _ in sidecar.join(timeout=30)] == [f"{tmp_path}/ckpt-1", f"{tmp_path}/ckpt-2"]
-    assert not sidecar._thread.is_alive()
+    assert not sidecar.thread.is_alive()
 
 
 @pytest.mark.parametrize("as_path", [False, True])
@@ -136,7 +136,7 @@ def test_stop_ends_a_background_run_and_join_returns_what_it_evaluated(tmp_path)
     sidecar = _started(tmp_path, calls, until=100)
     sidecar.stop()
     assert sidecar.join(timeout=30) == [(f"{tmp_path}/ckpt-1", {"n": 1, "loss": 1 / 3})]
-    assert not sidecar._thread.is_alive()
+    assert not sidecar.thread.is_alive()
 
 
 def test_join_raises_what_eval_fn_raised_and_a_join_without_start_returns_nothing(tmp_path):

@@ -72,7 +72,7 @@ def _made_in_a_helper(client, what: str):
         "coordinator": coordinator, "checkpoint": dps.Checkpoint(table=table),
         "dataset": coordinator.create_per_worker_dataset(lambda: iter(range(100))),
     }
-    return made[what], strategy._token
+    return made[what], strategy.token
 
 
 def _still_works(obj, client) -> None:
@@ -89,7 +89,7 @@ def _still_works(obj, client) -> None:
     elif isinstance(obj, dps.ClusterCoordinator):
         assert obj.schedule(lambda: 7).fetch() == 7
     else:
-        assert obj._objects["table"].numpy().shape == (4, 2)
+        assert obj.objects["table"].numpy().shape == (4, 2)
 
 
 @pytest.mark.parametrize("what", ["strategy", "shard", "optimizer", "metric", "coordinator", "checkpoint"])
@@ -107,7 +107,7 @@ def test_a_dataset_keeps_its_servers(client):
     dataset, token = _made_in_a_helper(client, "dataset")
     gc.collect()
     assert sum(token in k for k in actor_keys(client)) == 2
-    blob = dataset._spec.blob  # the dataset's function, stored on one of the servers
+    blob = dataset.blob  # the dataset's function, stored on one of the servers
     assert len(protocol.get_blob(blob.server, blob.key)) > 0
 
 
@@ -170,7 +170,7 @@ def test_server_memory_returns_after_300_mb_are_dropped(fresh_cluster):
 
 # -- handles held on workers count ----------------------------------------------------------
 def _keep(v):
-    get_worker()._daskps_test_kept = v
+    get_worker().daskps_test_kept = v
 
 
 def _keep_until(v, go):
@@ -179,11 +179,11 @@ def _keep_until(v, go):
 
 
 def _read_kept():
-    return get_worker()._daskps_test_kept.numpy()
+    return get_worker().daskps_test_kept.numpy()
 
 
 def _drop_kept(dask_worker):
-    dask_worker.__dict__.pop("_daskps_test_kept", None)
+    dask_worker.__dict__.pop("daskps_test_kept", None)
 
 
 def test_handles_kept_on_a_worker_keep_the_variable(fresh_cluster):
@@ -197,7 +197,7 @@ def test_handles_kept_on_a_worker_keep_the_variable(fresh_cluster):
     client.submit(lambda: None, workers=[trainer]).result()
     coordinator.schedule(_keep, args=(v,))
     coordinator.join()
-    holder = [a for a, has in client.run(lambda dask_worker: hasattr(dask_worker, "_daskps_test_kept")).items() if has]
+    holder = [a for a, has in client.run(lambda dask_worker: hasattr(dask_worker, "daskps_test_kept")).items() if has]
     assert holders(client, [key]) == {key: {"coordinator": 1, "trainer": 1}}
     del v  # the coordinator's last handle
     # once the coordinator's release has reached the server, the worker's hold keeps the variable there
@@ -236,7 +236,7 @@ def test_handles_kept_on_trainers_are_counted_on_a_recreated_server_as_its_recov
     go = f"go-{uuid.uuid4().hex}"
     for _ in range(2):
         coordinator.schedule(_keep_until, args=(v, go))
-    wait_until(lambda: sum(client.run(lambda dask_worker: hasattr(dask_worker, "_daskps_test_kept")).values()) == 2,
+    wait_until(lambda: sum(client.run(lambda dask_worker: hasattr(dask_worker, "daskps_test_kept")).values()) == 2,
                what="both trainers keeping the handle")
     Event(go, client=client).set()
     coordinator.join()
@@ -268,7 +268,7 @@ def test_a_trainer_that_dies_holding_handles_leaks_nothing(fresh_cluster):
     key = v.handle.key
     coordinator.schedule(_keep, args=(v,))
     coordinator.join()
-    held = client.run(lambda dask_worker: hasattr(dask_worker, "_daskps_test_kept"))
+    held = client.run(lambda dask_worker: hasattr(dask_worker, "daskps_test_kept"))
     name = next(info["name"] for a, info in cluster_workers(client).items() if held.get(a))
     del v
     assert wait_for_coordinator_release(client, [key]) == {key: {"trainer": 1}}  # held by the trainer only
@@ -306,9 +306,9 @@ def test_datasets_are_built_on_trainers_only_and_forgotten_when_dropped(client):
     assert [p for p in plugins if "daskps" in str(p)] == ["daskps-worker"]
     ps = set(strategy.cluster_resolver.cluster_spec()["ps"])
     built = client.run(datasets_built)
-    assert all(dataset._spec.dataset_id not in built[a] for a in ps)
-    assert any(dataset._spec.dataset_id in ids for ids in built.values())
-    dataset_id = dataset._spec.dataset_id
+    assert all(dataset.dataset_id not in built[a] for a in ps)
+    assert any(dataset.dataset_id in ids for ids in built.values())
+    dataset_id = dataset.dataset_id
     del dataset, it
     wait_until(lambda: all(dataset_id not in ids for ids in client.run(datasets_built).values()),
                what="dataset forgotten on the workers")
@@ -354,7 +354,7 @@ def test_close_releases_servers_datasets_and_an_owned_client(cluster):
     it = iter(dataset)
     coordinator.schedule(lambda it: next(it), args=(it,))
     coordinator.join()
-    token = strategy._token
+    token = strategy.token
     with Client(cluster) as observer:
         assert sum(token in k for k in actor_keys(observer)) == 2
         strategy.close()
@@ -397,12 +397,12 @@ def test_close_cancels_pending_functions(strategy, coordinator):
 
 # -- found in review ---------------------------------------------------------------------------
 def _keep_optimizer(opt, v):
-    get_worker()._daskps_test_kept = (opt, v)  # a cache on the trainer
+    get_worker().daskps_test_kept = (opt, v)  # a cache on the trainer
     opt.apply_gradients([(np.ones(1, np.float32), v)])
 
 
 def _train_kept():
-    opt, v = get_worker()._daskps_test_kept
+    opt, v = get_worker().daskps_test_kept
     opt.apply_gradients([(np.ones(1, np.float32), v)])
     return v.numpy()
 
@@ -414,7 +414,7 @@ def test_an_optimizer_kept_on_a_trainer_keeps_and_then_frees_everything(strategy
         opt = dps.optimizers.SGD(0.5)
     coordinator.schedule(_keep_optimizer, args=(opt, v))
     coordinator.join()
-    holder = [a for a, has in client.run(lambda dask_worker: hasattr(dask_worker, "_daskps_test_kept")).items() if has]
+    holder = [a for a, has in client.run(lambda dask_worker: hasattr(dask_worker, "daskps_test_kept")).items() if has]
     keys = [v.handle.key, opt.server_key]
     del v, opt
     # the coordinator's releases have reached the servers: only the trainer's cache holds both now
@@ -461,7 +461,7 @@ def test_trainers_forget_datasets_when_the_coordinator_goes_without_closing(clus
         for _ in range(6):
             coordinator.schedule(lambda it: next(it), args=(it,))
         coordinator.join()
-        dataset_id = dataset._spec.dataset_id
+        dataset_id = dataset.dataset_id
         assert any(dataset_id in ids for ids in observer.run(datasets_built).values())
         client.close()  # no strategy.close(), no drop: the scheduler releases the client's actors
         wait_until(lambda: all(dataset_id not in ids for ids in observer.run(datasets_built).values()),
@@ -475,6 +475,6 @@ def test_a_dropped_coordinator_releases_everything(client):
         v = dps.Variable(0.0)
     coordinator.schedule(v.assign_add, args=(1.0,))
     coordinator.join()
-    token = strategy._token
+    token = strategy.token
     del strategy, coordinator, v
     wait_until(lambda: not any(token in k for k in actor_keys(client)), what="servers released")

@@ -74,8 +74,8 @@ def test_an_address_that_is_not_one_is_named():
 
 def test_one_actor_per_ps_pinned_by_address(strategy, client):
     spec = strategy.cluster_resolver.cluster_spec()
-    where = client.who_has(strategy._group.futures)
-    assert [where[f.key][0] for f in strategy._group.futures] == spec["ps"]
+    where = client.who_has(strategy.group.futures)
+    assert [where[f.key][0] for f in strategy.group.futures] == spec["ps"]
     stats = strategy.ps_stats()
     assert [s["task_id"] for s in stats] == [0, 1]
 

@@ -66,13 +66,13 @@ def test_the_heartbeat_failure_of_a_closing_worker_is_not_logged_while_a_running
 
     from distributed import Scheduler, Worker
 
-    from daskps.client.worker_state import HEARTBEAT_FAILED, _QuietHeartbeatAtClose
+    from daskps.client.worker_state import HEARTBEAT_FAILED, QuietHeartbeatAtClose
 
     failed = logging.makeLogRecord({"name": "distributed.worker", "msg": HEARTBEAT_FAILED, "levelno": logging.ERROR})
     other = logging.makeLogRecord({"name": "distributed.worker", "msg": "Heartbeat: %s", "levelno": logging.DEBUG})
 
     async def main():
-        quiet = _QuietHeartbeatAtClose()
+        quiet = QuietHeartbeatAtClose()
         assert quiet.filter(failed)  # no daskps worker here: Dask's message as it is
         async with Scheduler(host="127.0.0.1", port=0, dashboard_address="127.0.0.1:0") as s:
             a = await Worker(s.address, host="127.0.0.1", dashboard_address="127.0.0.1:0", nthreads=1)

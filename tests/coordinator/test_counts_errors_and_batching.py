@@ -16,7 +16,7 @@ from daskps.coordinator.book import Book
 from daskps.coordinator.recovery import MAX_RERUNS, Recovered, Recovery, RecoveryState
 from daskps.errors import PSUnavailableError
 from daskps.scheduler.messages import load_error
-from daskps.trainer.batches import _pickled_error
+from daskps.trainer.batches import pickled_error
 from daskps.trainer.datasets import PerWorkerValues, call_position, running_function
 
 
@@ -42,7 +42,7 @@ def test_an_error_carries_the_workers_traceback_as_a_note():
     except ValueError as exc:
         caught = exc
         expected = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    error = load_error(_pickled_error(caught))
+    error = load_error(pickled_error(caught))
     assert type(error) is ValueError and str(error) == "bad row 7"
     assert error.__notes__ == [f"raised in a scheduled function on a worker:\n{expected}"]
     assert "in _fails_deep" in expected and expected.endswith("ValueError: bad row 7\n")
@@ -61,7 +61,7 @@ def test_an_error_that_cannot_be_rebuilt_arrives_as_runtime_error_with_its_text(
     except _NeedsTwo as exc:
         caught = exc
         expected = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    error = load_error(_pickled_error(caught))
+    error = load_error(pickled_error(caught))
     assert type(error) is RuntimeError and str(error) == "_NeedsTwo: 1 and 2"
     assert error.__notes__ == [f"raised in a scheduled function on a worker:\n{expected}"]  # the worker's own
 
@@ -76,7 +76,7 @@ def test_an_error_whose_class_only_the_worker_has_arrives_as_runtime_error_sayin
         try:
             raise module.WorkerOnlyError("shard 3 is gone")
         except Exception as exc:
-            payload = _pickled_error(exc)  # on the worker: pickles and unpickles
+            payload = pickled_error(exc)  # on the worker: pickles and unpickles
             where = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     finally:
         del sys.modules[module.__name__]

@@ -51,14 +51,14 @@ def test_each_thread_waiting_for_a_result_is_counted_until_it_has_it(coordinator
                for i in range(2)]
     for t in threads:
         t.start()
-    wait_until(lambda: coordinator._book.fetching == 2, 10,
-               failure=lambda: f"threads counted waiting: {coordinator._book.fetching}, not 2", interval=0.005, collect=False)
+    wait_until(lambda: coordinator.fetching == 2, 10,
+               failure=lambda: f"threads counted waiting: {coordinator.fetching}, not 2", interval=0.005, collect=False)
     assert all(v.status == "pending" for v in values)  # both threads are waiting, neither has its value
     Event(f"go-{tag}", client=client).set()
     for t in threads:
         t.join(30)
     assert got == {0: 0, 1: 1}
-    assert coordinator._book.fetching == 0
+    assert coordinator.fetching == 0
 
 
 def _first_fails(i):
@@ -379,7 +379,7 @@ def test_an_interrupted_read_leaves_the_channel_in_step(strategy, client, tmp_pa
 
     # The interrupt lands once the read is sent and its answer awaited: when the channel starts reading.
     waiting = threading.Event()
-    real_receive = channel._receive
+    real_receive = channel.receive_exactly
 
     def receiving(sock, n):
         waiting.set()
@@ -390,7 +390,7 @@ def test_an_interrupted_read_leaves_the_channel_in_step(strategy, client, tmp_pa
             raise
 
     landed = {}
-    monkeypatch.setattr(channel, "_receive", receiving)
+    monkeypatch.setattr(channel, "receive_exactly", receiving)
     # Keep the server's event loop busy for 2 s (as a long operation would): the answer cannot come meanwhile.
     flag = tmp_path / "busy"
     busy = threading.Thread(target=client.run, args=(_busy, str(flag), 2.0), kwargs={"workers": [server.address]})

@@ -114,7 +114,7 @@ def _cached_functions() -> list[int]:
     """The keys of this process's function cache (run on each worker with ``client.run``), hashed."""
     from daskps.trainer import batches
 
-    return sorted(hash(key) for key in list(batches._functions()._functions))
+    return sorted(hash(key) for key in batches.function_cache().keys())
 
 
 def test_a_function_that_fails_to_unpickle_on_the_trainer_reports_and_is_not_kept(client, coordinator):

@@ -9,7 +9,7 @@ from distributed import Client, Event
 
 import daskps as dps
 from daskps.errors import CancelledError, ClosedError, PSUnavailableError
-from daskps.scheduler.messages import LOST
+from daskps.scheduler.messages import BATCH_TOPIC_PREFIX, LOST
 from tests.helpers.cluster import kill_worker, wait_for_worker, worker_address
 from tests.helpers.waiting import wait_until
 
@@ -269,13 +269,15 @@ def test_first_error_wins(coordinator, client):
     Event(name, client=client).set()  # the second failure comes after the first was raised: not raised again
     assert Event(f"{name}-raised", client=client).wait(30), "the late function never raised"
 
+    topic = f"{BATCH_TOPIC_PREFIX}{coordinator.strategy.token}"  # where this coordinator's trainers report
+
     def reported():  # this coordinator's functions whose reports reached the scheduler (its event log)
-        return {row[0] for _, (key, rows, *_) in client.get_events(coordinator._topic) if key != LOST for row in rows}
+        return {row[0] for _, (key, rows, *_) in client.get_events(topic) if key != LOST for row in rows}
 
     # the second scheduled (ids count from 0)
     wait_until(lambda: 1 in reported(), 30,
                failure="the late function's report never reached the scheduler", interval=0.01, collect=False)
-    (late_batch, reported_at), = [(key, at) for at, (key, rows, *_) in client.get_events(coordinator._topic)
+    (late_batch, reported_at), = [(key, at) for at, (key, rows, *_) in client.get_events(topic)
                                   if key != LOST and any(row[0] == 1 for row in rows)]
 
     def forgotten_at(dask_scheduler):  # when the scheduler forgot the late function's batch (cancelled)
@@ -404,7 +406,7 @@ def test_ps_unavailable_says_what_happened_and_what_was_lost(fresh_cluster):
         w = dps.Variable(1.0, name="w")  # ps-0
         b = dps.Variable(2.0, name="b")  # ps-1
         table = dps.Variable(np.zeros(3), name="table")  # ps-0
-    for fut in strategy._group._futures[1:]:
+    for fut in strategy.group.futures[1:]:
         fut.release()  # ps-1's actor goes while its worker stays up
     with pytest.raises(PSUnavailableError, match=r"ps:1 .*actor is gone.*'b'") as lost:
         for _ in range(100):

@@ -320,9 +320,9 @@ def test_a_server_that_no_longer_holds_a_lookup_says_so_and_changes_nothing(stra
         opt = dps.optimizers.SGD(1.0)
     bags = dps.Bags((VALUES, LENGTHS))
     dps.embedding_lookup_sparse(table, bags)  # this process's lane is now known to the server
-    from daskps.variables.bags import _lane
+    from daskps.variables.bags import lookup_lane
 
-    grad = BagGrad(np.ones((len(LENGTHS), 3), np.float32), lane=_lane(), token=10**9)  # a token never sent
+    grad = BagGrad(np.ones((len(LENGTHS), 3), np.float32), lane=lookup_lane(), token=10**9)  # a token never sent
     with pytest.raises(LookupError, match="no longer holds"):
         protocol.apply_gradients(opt.server_key, [(table.handle, "bags", grad)])
     np.testing.assert_array_equal(table.numpy(), init)

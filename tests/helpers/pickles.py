@@ -7,7 +7,7 @@ from distributed import get_worker
 
 def _count_unpickle() -> Expensive:
     worker = get_worker()
-    worker._daskps_test_unpickles = getattr(worker, "_daskps_test_unpickles", 0) + 1
+    worker.daskps_test_unpickles = getattr(worker, "daskps_test_unpickles", 0) + 1
     return Expensive()
 
 
@@ -19,4 +19,4 @@ class Expensive:
 
 
 def _unpickles(dask_worker) -> int:
-    return dask_worker.__dict__.pop("_daskps_test_unpickles", 0)
+    return dask_worker.__dict__.pop("daskps_test_unpickles", 0)

@@ -13,9 +13,12 @@ def _holders_on(keys, dask_worker=None):
     out = {}
     for actor in dask_worker.state.actors.values():
         if isinstance(actor, ParameterServer):
-            for key in set(keys) & set(actor._holders):
+            for key in keys:
+                held = actor.holders(key)
+                if not held:
+                    continue
                 counts = {}
-                for holder, n in actor._holders[key].items():
+                for holder, n in held.items():
                     kind = "trainer" if "@" in holder else "coordinator"
                     counts[kind] = counts.get(kind, 0) + n
                 out[key] = {kind: n for kind, n in counts.items() if n > 0}

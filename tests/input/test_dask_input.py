@@ -214,7 +214,7 @@ def test_a_dropped_dataset_frees_its_partitions(client, coordinator):
         return sum(1 for k in dask_scheduler.tasks if isinstance(k, tuple) and k[0] == name)
 
     assert client.run_on_scheduler(held) == 4
-    dataset_id = ds._spec.dataset_id
+    dataset_id = ds.dataset_id
 
     def built(dask_worker):
         from daskps.client.worker_state import existing_part
@@ -223,7 +223,7 @@ def test_a_dropped_dataset_frees_its_partitions(client, coordinator):
         return state is not None and dataset_id in state.datasets
 
     assert any(client.run(built).values())
-    name = ds._keep.name
+    name = ds.dataset_fn.published  # the ledger's name
 
     def ledger(dask_scheduler):
         return name in dask_scheduler.plugins["daskps"].inputs.ledgers
@@ -393,7 +393,7 @@ def test_exactly_once_without_failures_hands_every_row_out_once_per_epoch(coordi
                        if ids is not None)
         assert again == as_set and other != as_set
 
-    name = kept[0]._keep.name  # this dataset's ledger (the shuffled case's other two may be there too)
+    name = kept[0].dataset_fn.published  # this dataset's ledger (the shuffled case's other two may be there too)
 
     def remembered(dask_scheduler):  # batches the scheduler keeps for functions that might run again
         ledger = dask_scheduler.plugins["daskps"].inputs.ledgers.get(name)
@@ -545,5 +545,6 @@ def test_a_collection_not_persisted_is_persisted_on_the_trainers_only(client, co
     ds = coordinator.create_per_worker_dataset(dps.data.from_dask(frame, batch_size=300))
     assert np.array_equal(_all_ids(_read_all(coordinator, iter(ds))), np.arange(4800))
     trainers = dict(coordinator.strategy.cluster_resolver.training_workers())
-    holders = client.run_on_scheduler(_holders_of, frame._name)
+    name = frame.__dask_keys__()[0][0]  # the collection's key name: its partitions are (name, i)
+    holders = client.run_on_scheduler(_holders_of, name)
     assert holders and set(holders) <= set(trainers.values()), (holders, trainers)

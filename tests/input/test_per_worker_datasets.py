@@ -144,7 +144,7 @@ def test_datasets_are_spread_over_the_parameter_servers(coordinator):
     datasets = [coordinator.create_per_worker_dataset(lambda: iter(range(3))) for _ in range(16)]
     ps = set(coordinator.strategy.cluster_resolver.cluster_spec()["ps"])
     assert len(ps) == 2
-    assert {d._spec.blob.server.address for d in datasets} == ps
+    assert {d.blob.server.address for d in datasets} == ps
 
 
 class _ReadsUnderALock:
@@ -176,7 +176,7 @@ def test_a_trainer_forgets_a_dropped_dataset_while_it_builds_another(coordinator
 
     from distributed import Event
 
-    from daskps.trainer.datasets import _forget_on_worker
+    from daskps.trainer.datasets import forget_on_worker
 
     tag = uuid.uuid4().hex
 
@@ -190,7 +190,7 @@ def test_a_trainer_forgets_a_dropped_dataset_while_it_builds_another(coordinator
     assert Event(f"building-{tag}", client=client).wait(10), "the dataset was never built"
     other = coordinator.create_per_worker_dataset(lambda: iter(range(3)))
     # what dropping `other` has every worker do; it returns while the build above still waits
-    client.run(_forget_on_worker, other._spec.dataset_id)
+    client.run(forget_on_worker, other.dataset_id)
     Event(f"go-{tag}", client=client).set()
     assert first.fetch() == 0
 
@@ -278,7 +278,7 @@ def test_closing_a_strategy_forgets_its_datasets_on_every_trainer_before_close_r
         wait_until(lambda c=c, it=it: len({name for name, _ in c.fetch([c.schedule(_where_and_next, args=(it,))
                                                                        for _ in range(8)])}) >= 2,
                    60, failure="one trainer ran every function", interval=0, collect=False)
-    ids = {c: d._spec.dataset_id for c, d in datasets.items()}
+    ids = {c: d.dataset_id for c, d in datasets.items()}
     trainers = set(cluster_workers(client)) - set(strategy.cluster_resolver.cluster_spec()["ps"])
     built = client.run(datasets_built, workers=list(trainers))
     assert all(set(ids.values()) <= set(names) for names in built.values()), built
@@ -319,7 +319,7 @@ def test_a_trainers_index_among_names_it_may_not_be_in(client, names, expected):
 
 def test_reprs_name_the_dataset_and_get_next_is_next(coordinator):
     dataset = coordinator.create_per_worker_dataset(lambda: iter(range(10)))
-    short = dataset._spec.dataset_id[:8]
+    short = dataset.dataset_id[:8]
     assert repr(dataset) == f"PerWorkerDataset(id={short}, iterators=0)"
     first, second = iter(dataset), iter(dataset)
     assert repr(dataset) == f"PerWorkerDataset(id={short}, iterators=2)"

@@ -310,11 +310,11 @@ def test_jax_sparse_step_updates_only_the_looked_up_rows(strategy, coordinator, 
 
 def _note_trace() -> None:
     worker = get_worker()
-    worker._daskps_test_traces = getattr(worker, "_daskps_test_traces", 0) + 1
+    worker.daskps_test_traces = getattr(worker, "daskps_test_traces", 0) + 1
 
 
 def _traces(dask_worker) -> int:
-    return dask_worker.__dict__.pop("_daskps_test_traces", 0)
+    return dask_worker.__dict__.pop("daskps_test_traces", 0)
 
 
 def test_a_jitted_step_scheduled_200_times_compiles_once_or_twice_per_trainer(client, strategy, coordinator, jax):

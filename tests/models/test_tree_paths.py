@@ -212,12 +212,12 @@ def test_a_jax_node_with_one_child_is_still_split():
 def test_jax_keys_by_kind():
     jax = pytest.importorskip("jax")
     tu = jax.tree_util
-    assert trees._jax_key(tu.DictKey("k")) == "k"
-    assert trees._jax_key(tu.GetAttrKey("n")) == "n"
-    assert trees._jax_key(tu.SequenceKey(2)) == 2
-    assert trees._jax_key(tu.FlattenedIndexKey(3)) == 3
-    assert trees._jax_key("other") == "other"
-    assert trees._jax_key(7) == "7"
+    assert trees.jax_key(tu.DictKey("k")) == "k"
+    assert trees.jax_key(tu.GetAttrKey("n")) == "n"
+    assert trees.jax_key(tu.SequenceKey(2)) == 2
+    assert trees.jax_key(tu.FlattenedIndexKey(3)) == 3
+    assert trees.jax_key("other") == "other"
+    assert trees.jax_key(7) == "7"
 
 
 def test_an_unknown_object_is_a_leaf_even_with_jax_loaded():

@@ -141,7 +141,7 @@ def test_a_checkpoint_keeps_the_step_schedules_and_nadam_count_on(strategy, tmp_
 def test_the_transform_resent_to_a_recreated_server_carries_the_schedule(strategy):
     with strategy.scope():
         opt = dps.optimizers.Nadam(schedule("cosine_warmup"), clipnorm=1.0)
-    recipes = {r.recipe for r in opt._refs}
+    recipes = {r.recipe for r in opt.handles}
     assert len(recipes) == 1
     from daskps.server import ops
 
@@ -290,7 +290,7 @@ def test_a_refused_batch_on_a_server_changes_no_state(strategy):
     opt.apply([grads[0][0]], [v])
     work = [(v.handle.key, "dense", grads[1][0]), (v.handle.key, "dense", np.ones(3, np.float32))]
     with pytest.raises(ValueError, match="shape"):
-        protocol.call([(v.handle.server, ops.ApplyGradients(opt._key, work, None))])
+        protocol.call([(v.handle.server, ops.ApplyGradients(opt.server_key, work, None))])
     for i in range(1, STEPS):
         opt.apply([grads[i][0]], [v])
     np.testing.assert_allclose(v.numpy(), after[-1][0], rtol=0, atol=ATOL)

@@ -87,7 +87,7 @@ def test_slots_live_beside_their_variables(strategy):
 
     def slots(dask_worker):
         for actor in dask_worker.state.actors.values():
-            for k, table in getattr(actor, "_tables", {}).items():  # each table keeps its optimizers' slots
+            for k, table in getattr(actor, "tables", {}).items():  # each table keeps its optimizers' slots
                 yield from ((k, type(s).__name__, sorted(s._asdict())) for s in table.slots.values())
 
     seen = strategy.client.run(lambda dask_worker: list(slots(dask_worker)))
@@ -155,7 +155,7 @@ def test_server_checks_gradients_too(strategy):
     work = [(v.handle.key, "dense", np.ones(3, np.float32)), (v.handle.key, "dense", np.ones(4, np.float32))]
     bump = opt.iterations.handle.key if opt.iterations.handle.server == v.handle.server else None
     with pytest.raises(ValueError, match="shape"):
-        protocol.call([(v.handle.server, ops.ApplyGradients(opt._key, work, bump))])
+        protocol.call([(v.handle.server, ops.ApplyGradients(opt.server_key, work, bump))])
     assert v.numpy().tolist() == [1, 1, 1] and int(opt.iterations.numpy()) == 0
 
 

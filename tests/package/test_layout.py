@@ -258,6 +258,53 @@ def test_no_private_reads_through_other_objects():
     assert len(PRIVATE_READS_ALLOWED) <= 20
 
 
+# Private names the tests read where nothing public gives the same: (file under tests/, name, why).
+# Everything of daskps' own a test needs has a public name (a property, a method, a helper).
+TEST_PRIVATE_READS_ALLOWED: list[tuple[str, str, str]] = [
+    ("tests/conftest.py", "_fixturemanager",
+     "pytest offers no public way to the fixture definitions a test uses (to see which start a process)"),
+    ("tests/coordinator/test_ctrl_c.py", "_exit",
+     "os._exit: a forked child must end at once, running none of pytest's cleanup (sys.exit would)"),
+    ("tests/mutation/run_by_lines.py", "_exit", "os._exit: the same, in a mutant's forked child"),
+]
+
+
+def _read_name(text: str) -> str:
+    """The private name in a ``private_reads`` text: ``a.b._x``, ``getattr(a, '_x')``, ``from m import _x``."""
+    if text.startswith("from "):
+        return text.rsplit(" ", 1)[-1]
+    node = ast.parse(text, mode="eval").body
+    if isinstance(node, ast.Call):
+        arg = node.args[1]
+        assert isinstance(arg, ast.Constant)
+        return str(arg.value)
+    assert isinstance(node, ast.Attribute)
+    return node.attr
+
+
+def test_tests_read_no_private_names():
+    """Tests check daskps through the names it offers (issue 42): no private attribute of another object,
+    nor a private name imported from daskps; the few of other libraries' are listed, each with its reason."""
+    tests = pathlib.Path(__file__).resolve().parents[1]
+    allowed = {(path, name) for path, name, _ in TEST_PRIVATE_READS_ALLOWED}
+    wrong, used = [], set()
+    for path in sorted(tests.rglob("*.py")):
+        where = path.relative_to(tests.parent).as_posix()
+        for line, text in private_reads(path.read_text()):
+            if (where, _read_name(text)) in allowed:
+                used.add((where, _read_name(text)))
+            else:
+                wrong.append(f"{where}:{line}: {text}")
+    assert not wrong, "\n".join(wrong)
+    assert used == allowed, f"allowed, but no longer read: {sorted(allowed - used)}"
+    assert len(TEST_PRIVATE_READS_ALLOWED) <= 8
+
+
+def test_read_name_finds_the_name_in_each_form():
+    assert [_read_name(t) for t in ("a.b._x", "getattr(a, '_y', None)", "hasattr(a, '_z')",
+                                    "from daskps.m import _w")] == ["_x", "_y", "_z", "_w"]
+
+
 def test_private_read_finder_finds_each_form():
     source = """
 import daskps.x

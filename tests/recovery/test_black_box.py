@@ -659,8 +659,8 @@ def test_an_object_only_trainers_held_raises_lookup_error_after_the_loss(fresh_c
     def stash(v):
         import builtins
 
-        if not hasattr(builtins, "_readme_test_cache"):
-            builtins._readme_test_cache = v
+        if not hasattr(builtins, "readme_test_cache"):
+            builtins.readme_test_cache = v
         time.sleep(0.01)
         return os.getpid()
 
@@ -677,7 +677,7 @@ def test_an_object_only_trainers_held_raises_lookup_error_after_the_loss(fresh_c
     def use():
         import builtins
 
-        v = getattr(builtins, "_readme_test_cache", None)
+        v = getattr(builtins, "readme_test_cache", None)
         if v is None:
             return None
         v.assign_add(1.0)

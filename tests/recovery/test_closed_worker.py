@@ -172,7 +172,7 @@ def dataset_on_ps0(coordinator):
     """A per-worker dataset of ``range(100, 200)`` whose function is stored on ps:0 (the place is drawn at
     random: datasets are made until one lands there)."""
     made = []
-    while not any(d._spec.blob.server.task_id == 0 for d in made):
+    while not any(d.blob.server.task_id == 0 for d in made):
         assert len(made) < 40, "no dataset's function was stored on ps:0"
         made.append(coordinator.create_per_worker_dataset(lambda: iter(range(100, 200))))
     return made[-1]
@@ -194,7 +194,7 @@ def test_a_dataset_made_before_the_loss_is_first_read_after_it(thread_cluster, t
     strategy, a, b, manager, coordinator, step = two_ps_training(client, tmp_path, saved_after=1)
     dataset = dataset_on_ps0(coordinator)
     lose_ps0(cluster, client, coordinator)
-    assert dataset._spec.blob.server.address == worker_address(client, "ps-1")
+    assert dataset.blob.server.address == worker_address(client, "ps-1")
     it = iter(dataset)  # no trainer has built it yet
 
     def take(iterator):
@@ -221,13 +221,13 @@ def test_a_dataset_read_before_the_loss_goes_on_where_it_was_after_it(thread_clu
     dataset = dataset_on_ps0(coordinator)
     it = iter(dataset)
     read = coordinator.fetch([coordinator.schedule(_read_where, args=(it,)) for _ in range(8)])
-    dataset_id = dataset._spec.dataset_id
+    dataset_id = dataset.dataset_id
     readers = {name for name, _ in read}
     built = {cluster.scheduler.workers[addr].name for addr, ids in client.run(datasets_built).items()
              if dataset_id in ids}
     assert built == readers
     lose_ps0(cluster, client, coordinator)
-    assert dataset._spec.blob.server.address == worker_address(client, "ps-1")
+    assert dataset.blob.server.address == worker_address(client, "ps-1")
     assert {cluster.scheduler.workers[addr].name for addr, ids in client.run(datasets_built).items()
             if dataset_id in ids} == readers  # not forgotten
     read += coordinator.fetch([coordinator.schedule(_read_where, args=(it,)) for _ in range(8)])
@@ -248,7 +248,7 @@ def test_trainers_forget_a_dataset_of_a_recovered_server_when_the_coordinator_go
     dataset = dataset_on_ps0(coordinator)
     it = iter(dataset)
     coordinator.fetch([coordinator.schedule(next, args=(it,)) for _ in range(4)])
-    dataset_id = dataset._spec.dataset_id
+    dataset_id = dataset.dataset_id
 
     def trainers_holding():
         return [addr for addr, ids in observer.run(datasets_built).items() if dataset_id in ids]

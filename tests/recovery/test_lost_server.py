@@ -79,7 +79,7 @@ def test_killed_ps_is_recreated_and_restored_while_400_functions_are_pending(fre
     assert float(counter.numpy()) == 3.0
     # rolled back to the checkpoint's 50 (not to 0, not kept), then 1 added by each function not finished
     # before the kill, at least by each that began knowing the new server (a generation after 0)
-    after = sum(n for generation, n in coordinator._finished_by_generation().items() if generation > 0)
+    after = sum(n for generation, n in coordinator.finished_by_generation().items() if generation > 0)
     assert lost >= 20 and after > 0, (lost, after)
     assert saved_a + after <= float(a.numpy()) <= saved_a + 400 - lost, (lost, after, float(a.numpy()))
     assert float(a.numpy()) == int(opt.iterations.numpy())  # both on ps-0, both rolled back to 50

@@ -73,7 +73,7 @@ def test_both_ps_killed_at_once(fresh_cluster, tmp_path):
         r.fetch()
     # both rolled back to 20, then the functions not yet reported ran; each that began knowing the new
     # servers (a generation after 0) added 1 to both
-    after = sum(n for generation, n in coordinator._finished_by_generation().items() if generation > 0)
+    after = sum(n for generation, n in coordinator.finished_by_generation().items() if generation > 0)
     a_now, b_now = float(a.numpy()), float(b.numpy())
     assert lost >= 20 and after > 0 and 20.0 + after <= min(a_now, b_now), (lost, after, a_now, b_now)
     if len(coordinator.recoveries) == 1:  # both at once: no function updated one new server and not the other
@@ -93,7 +93,7 @@ def _read_cache():
 
     w = get_worker()
     time.sleep(0.3)
-    return w.name, [float(np.sum(v.numpy())) for v in getattr(w, "_review_cache", [])]
+    return w.name, [float(np.sum(v.numpy())) for v in getattr(w, "review_cache", [])]
 
 
 def _cache_on(v, target):
@@ -101,7 +101,7 @@ def _cache_on(v, target):
 
     w = get_worker()
     if w.name == target:
-        w._review_cache = [v]
+        w.review_cache = [v]
     return w.name
 
 
@@ -246,7 +246,7 @@ def test_strategy_close_during_recovery_leaves_no_server(fresh_cluster, tmp_path
     wait_until(lambda: coordinator.recovery_state.name == "RECOVERING", 30, failure="no recovery began",
                interval=0.005, collect=False)
     # wait until the new server is being started, then close
-    wait_until(lambda: strategy._group.generation != 0, 30, failure="the recovery never started a new server",
+    wait_until(lambda: strategy.group.generation != 0, 30, failure="the recovery never started a new server",
                interval=0.001, collect=False)
     strategy.close()
     with warnings.catch_warnings(record=True):

@@ -83,7 +83,7 @@ def test_threads_pruning_channels_to_gone_servers_at_once_forget_each_and_none_r
     for _ in range(30):
         chans = {f"server-{i}": channel.Channel(address, 5.0) for i in range(40)}
         for ch in chans.values():
-            ch._connected()
+            ch.connect()
             listener.accept()[0].close()  # the server's end goes: each channel is now dead
         barrier = threading.Barrier(6)
 
@@ -119,18 +119,18 @@ def test_a_server_listening_where_a_released_one_did_gets_a_channel_of_its_own()
     port = old_listener.getsockname()[1]
     old = ServerRef("tcp://127.0.0.1:1", "old-server", 0, f"127.0.0.1:{port}")
     old_channel = channels.get(old)
-    old_channel._connected()
+    old_channel.connect()
     old_end = old_listener.accept()[0]  # the old server's end stays open: it has not noticed yet
     old_listener.close()
     new_listener = socket.create_server(("127.0.0.1", port))  # the new server, on the same port
     new = ServerRef("tcp://127.0.0.1:2", "new-server", 1, f"127.0.0.1:{port}")
     new_channel = channels.get(new)
     assert new_channel is not old_channel
-    new_channel._connected()
+    new_channel.connect()
     new_end = new_listener.accept()[0]  # it reached the new server
     assert channels.get(old) is old_channel and channels.get(new) is new_channel
     channels.forget([old])
-    assert channels.get(new) is new_channel and old_channel._sock is None  # closed; the new one kept
+    assert channels.get(new) is new_channel and not old_channel.connected  # closed; the new one kept
     channels.forget([new])
     for sock in (old_end, new_end, new_listener):
         sock.close()

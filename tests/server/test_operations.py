@@ -19,7 +19,7 @@ from daskps._core.updates import Refused
 from daskps.errors import PartlyAppliedError
 from daskps.server import ops
 from daskps.server.ops import DenseSpec
-from daskps.server.parameter_server import ParameterServer, _sendable
+from daskps.server.parameter_server import ParameterServer, sendable
 
 
 def _server(task_id=0, **values) -> ParameterServer:
@@ -259,14 +259,14 @@ def test_an_error_that_would_not_travel_becomes_a_runtime_error_with_its_text():
         def __reduce__(self):
             raise TypeError("no")
 
-    assert _sendable(ValueError("v")).args == ("v",)
+    assert sendable(ValueError("v")).args == ("v",)
     kept = LookupError("x")
-    assert _sendable(kept) is kept
-    got = _sendable(Unpicklable("held a lock"))
+    assert sendable(kept) is kept
+    got = sendable(Unpicklable("held a lock"))
     assert type(got) is RuntimeError and str(got) == "Unpicklable: held a lock"
     lock_error = ValueError(threading.Lock())
-    assert type(_sendable(lock_error)) is RuntimeError
-    assert type(_sendable(Local("y"))) is RuntimeError  # a class defined in a function does not pickle
+    assert type(sendable(lock_error)) is RuntimeError
+    assert type(sendable(Local("y"))) is RuntimeError  # a class defined in a function does not pickle
 
 
 # -- checkpoints -----------------------------------------------------------------------

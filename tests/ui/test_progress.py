@@ -83,7 +83,7 @@ def test_the_bar_is_tqdms_where_tqdm_is_installed_and_daskps_own_on_request():
 
 
 def test_metric_text_reads_result_before_calling_and_names_an_unreadable_metric():
-    from daskps.ui.training_progress import _metric_text
+    from daskps.ui.training_progress import metric_text
 
     class Both:  # a metric object that is also callable: its result() is what is shown
         def result(self):
@@ -95,8 +95,8 @@ def test_metric_text_reads_result_before_calling_and_names_an_unreadable_metric(
     def broken():
         raise KeyError("not yet")
 
-    assert _metric_text(None) == "" and _metric_text({}) == ""
-    assert _metric_text({"loss": Both(), "lr": lambda: 0.001, "bad": broken}) == "loss=0.1235 lr=0.001 bad=<KeyError>"
+    assert metric_text(None) == "" and metric_text({}) == ""
+    assert metric_text({"loss": Both(), "lr": lambda: 0.001, "bad": broken}) == "loss=0.1235 lr=0.001 bad=<KeyError>"
 
 
 def test_progress_labels_its_bar_training_and_draws_it_where_asked(strategy, coordinator, capsys):

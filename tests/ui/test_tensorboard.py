@@ -219,8 +219,8 @@ def test_a_writer_that_fails_warns_once_and_logging_goes_on(coordinator):
 def test_the_logger_runs_in_one_daemon_thread_named_for_it(coordinator):
     logger = dps.summary.ScalarLogger(coordinator, None, every_n_steps=1, interval=0.01)
     assert logger.start() is logger
-    thread = logger._thread
-    assert logger.start() is logger and logger._thread is thread  # started once
+    thread = logger.thread
+    assert logger.start() is logger and logger.thread is thread  # started once
     named = [t for t in threading.enumerate() if t.name == "daskps-scalar-logger"]
     assert named == [thread] and thread.daemon
     logger.stop()

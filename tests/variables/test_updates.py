@@ -277,6 +277,6 @@ def test_check_gradient_refusals(shape, kind, grad, error, message):
 
 
 def test_occurrence_rounds_split_repeats_into_rounds():
-    rounds = U._occurrence_rounds(np.array([5, 1, 5, 5, 1, 2]))
+    rounds = U.occurrence_rounds(np.array([5, 1, 5, 5, 1, 2]))
     assert [np.flatnonzero(r).tolist() for r in rounds] == [[0, 1, 5], [2, 4], [3]]
-    assert U._occurrence_rounds(np.array([], np.intp)) == []
+    assert U.occurrence_rounds(np.array([], np.intp)) == []
