@@ -486,3 +486,22 @@ def test_results_reach_the_coordinator_before_the_batch_ends(strategy, coordinat
     batches = [b.fetch() for b in blocked]
     assert {r for r, _ in batches} == {"released"}
     assert got[0][1] in {key for _, key in batches}  # it shared its batch with functions still waiting
+
+
+def _fails_on(i):
+    if i < 0:
+        raise ValueError(f"function {i} fails")
+    return i
+
+
+def test_finished_functions_are_counted_once_each_by_the_servers_they_knew(coordinator):
+    """What a recovery reads to tell how many functions finished since a save: each one that returned, once,
+    under generation 0 (no server re-created yet); one that raised is not counted."""
+    remotes = [coordinator.schedule(_fails_on, args=(i,)) for i in range(7)]
+    coordinator.join()
+    assert [r.fetch() for r in remotes] == list(range(7))
+    assert dict(coordinator.finished_by_generation()) == {0: 7}
+    coordinator.schedule(_fails_on, args=(-1,))
+    with pytest.raises(ValueError, match="function -1 fails"):
+        coordinator.join()
+    assert dict(coordinator.finished_by_generation()) == {0: 7}
