@@ -50,9 +50,7 @@ def open_channel(server: Any, host: str, loop: asyncio.AbstractEventLoop,
         while True:
             try:
                 conn, _ = listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:  # closed meanwhile
+            except OSError:  # none waiting (BlockingIOError), or the listener closed meanwhile
                 return
             conn.setblocking(False)
             loop.create_task(_attach(loop, serving, conn))
