@@ -6,6 +6,7 @@ import ast
 import pathlib
 
 import daskps
+from tests.helpers.paths import TESTS
 
 ROOT = pathlib.Path(daskps.__file__).parent
 
@@ -285,11 +286,10 @@ def _read_name(text: str) -> str:
 def test_tests_read_no_private_names():
     """Tests check daskps through the names it offers (issue 42): no private attribute of another object,
     nor a private name imported from daskps; the few of other libraries' are listed, each with its reason."""
-    tests = pathlib.Path(__file__).resolve().parents[1]
     allowed = {(path, name) for path, name, _ in TEST_PRIVATE_READS_ALLOWED}
     wrong, used = [], set()
-    for path in sorted(tests.rglob("*.py")):
-        where = path.relative_to(tests.parent).as_posix()
+    for path in sorted(TESTS.rglob("*.py")):
+        where = path.relative_to(TESTS.parent).as_posix()
         for line, text in private_reads(path.read_text()):
             if (where, _read_name(text)) in allowed:
                 used.add((where, _read_name(text)))
