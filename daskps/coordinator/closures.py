@@ -27,7 +27,7 @@ class Closure:
 
     __slots__ = ("id", "blob", "kept", "outcome", "reruns", "batch", "generation", "staleness", "trainer")
 
-    def __init__(self, cid: int, blob: tuple[bytes, bytes], kept: list[Any], outcome: Outcome, staleness: int = 0):
+    def __init__(self, cid: int, blob: tuple[bytes, bytes], kept: list[Any], outcome: Outcome, staleness: int):
         self.id, self.blob, self.kept, self.outcome, self.staleness = cid, blob, kept, outcome, staleness
         self.reruns = 0
         self.batch: str | None = None  # the key of the batch it is in; None while queued

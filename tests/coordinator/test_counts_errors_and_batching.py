@@ -211,6 +211,8 @@ def test_short_functions_go_in_one_big_batch_long_ones_spread_over_the_trainers(
     short.observe([0.001, 0.001])
     long.observe([0.1])
     assert short.next_size(queued=100, pending=100, trainers=2, in_flight=0) == 100  # 0.1 s of work: one batch
+    # while that one batch runs, a backlog it could carry waits for it rather than go to the other trainer
+    assert short.next_size(queued=10, pending=20, trainers=2, in_flight=1) == 0
     assert long.next_size(queued=10, pending=10, trainers=2, in_flight=0) == int(BATCH_SECONDS / 0.1)
     # a second batch each only once the backlog is deep; a third never
     assert long.next_size(queued=7, pending=10, trainers=2, in_flight=2) == 0
