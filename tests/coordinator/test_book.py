@@ -13,14 +13,13 @@ import pytest
 from daskps.coordinator.book import Book
 from daskps.coordinator.remote import CANCELLED, DONE, FAILED, PENDING, RemoteValue
 from daskps.errors import CancelledError
+from tests.helpers.books import queued
 from tests.helpers.waiting import wait_until
 
 
 def _book_with(n):
     book = Book()
-    with book.lock:
-        closures = [book.add((b"f", b"args"), [], 0) for _ in range(n)]
-    return book, closures
+    return book, queued(book, n)
 
 
 def _ran_on(book, closure, trainer, generation=0):

@@ -19,6 +19,7 @@ from daskps.coordinator.remote import CANCELLED, DONE, FAILED, PENDING, RemoteVa
 from daskps.coordinator.settling import Settler
 from daskps.scheduler.messages import BIG, ERROR, OK
 from daskps.trainer.batches import pickled_error
+from tests.helpers.books import queued
 
 
 def _settler(client=None):
@@ -30,8 +31,8 @@ def _settler(client=None):
 
 
 def _in_batch(book, n, key):
+    closures = queued(book, n)
     with book.lock:
-        closures = [book.add((b"f", b"args"), [], 0) for _ in range(n)]
         for c in book.take(n):
             c.batch = key
     return closures
