@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import pickle
 import sys
+import threading
+import time
 import traceback
 import types
 
 import pytest
 
-from daskps.client.routing import ServerRef
+from daskps.client.routing import ROUTES, ServerRef
 from daskps.coordinator.book import Book
 from daskps.coordinator.recovery import MAX_RERUNS, Recovered, Recovery, RecoveryState
 from daskps.errors import PSUnavailableError
@@ -177,6 +179,10 @@ def test_a_recovery_counts_reruns_keeps_servers_lost_meanwhile_and_halts_when_it
     assert [c.id for c in book.queue] == [first.id, second.id] and second.reruns == 1 and second.batch is None
     assert recovery.rerun == 1 and recovery.lost_meanwhile == {"ps-1-key"}
     assert book.counts.totals["rerun"] == 2
+    with book.lock:
+        book.take(1)
+        recovery.requeue(first)  # each function queued again while it runs counts: two now
+    assert recovery.rerun == 2
     recovery.resume()  # only a halted coordinator resumes
     assert recovery.state is RecoveryState.RECOVERING
     recovery.stopped_batch("batch-1")
@@ -194,6 +200,33 @@ def test_a_recovery_counts_reruns_keeps_servers_lost_meanwhile_and_halts_when_it
     assert recovery.state is RecoveryState.DISPATCHING
     recovery.resume()
     assert recovery.state is RecoveryState.DISPATCHING
+
+
+def test_a_loss_starts_a_recovery_unless_the_lost_server_has_a_successor_already():
+    book, recovery = _recovery_of()
+    recovery.manager = object()
+    ROUTES.moved["ps-0-moved"] = ServerRef("tcp://127.0.0.1:1", "ps-0-new", 0)  # re-created: a handle had not heard
+    try:
+        with book.lock:
+            first, second = book.add((b"", b""), [], 0), book.add((b"", b""), [], 0)
+            book.take(2)
+            assert recovery.run_again(first, _lost("ps-0-moved"))
+        assert recovery.state is RecoveryState.DISPATCHING  # queued again, no recovery
+        before = set(threading.enumerate())
+        with book.lock:
+            assert recovery.run_again(second, _lost("ps-0-key"))
+            assert recovery.state is RecoveryState.RECOVERING  # under the lock: its thread cannot end it yet
+            # It runs in a thread of its own that does not hold the interpreter at exit, named for thread dumps.
+            (thread,) = set(threading.enumerate()) - before
+            assert (thread.name, thread.daemon) == ("daskps-recover", True)
+        # That thread's recovery fails on this bare strategy (no servers to look at): join() would raise it.
+        deadline = time.monotonic() + 60
+        while recovery.recovering and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert recovery.state is RecoveryState.HALTED and isinstance(book.error, AttributeError)
+        assert [c.id for c in book.queue] == [first.id, second.id]
+    finally:
+        del ROUTES.moved["ps-0-moved"]
 
 
 # -- the batching policy (daskps.coordinator.batching), by the rules its docstring states ---------------

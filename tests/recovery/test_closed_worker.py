@@ -123,6 +123,8 @@ def test_without_a_checkpoint_the_lost_servers_variables_start_again(thread_clus
     assert _warning(record).endswith(
         ". No checkpoint had been saved yet. Back to their initial value (in no checkpoint): 'a'. "
         "0 function(s) that failed or were cancelled by the loss run again.")
+    report = coordinator.recoveries[-1]  # as the warning says it, in fields
+    assert (report.checkpoint, report.rolled_back, report.reset, report.functions_since) == (None, [], ["a"], None)
     assert (float(a.numpy()), float(b.numpy())) == (0.0, 2.0)
 
 
