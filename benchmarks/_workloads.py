@@ -16,6 +16,7 @@ batches generated once, so data generation is not what is measured.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -63,7 +64,7 @@ def dense_grads(w1, b1, w2, b2, x, y):
     return loss, (x.T @ gh, gh.sum(axis=0), gw2, gb2)
 
 
-MODEL_CPU = [0.0, 0]  # CPU seconds spent in the model's maths in this process, and calls (profile_step.py)
+MODEL_CPU = [0.0, 0, 0.0]  # CPU seconds in the model's maths in this process, calls, wall seconds (profile_step.py)
 
 
 def counted(fn):
@@ -72,12 +73,13 @@ def counted(fn):
     def run(*args):
         import _workloads  # this process's module, wherever the function was unpickled
 
-        start = time.thread_time()
+        start, began = time.thread_time(), time.perf_counter()
         try:
             return fn(*args)
         finally:
             _workloads.MODEL_CPU[0] += time.thread_time() - start
             _workloads.MODEL_CPU[1] += 1
+            _workloads.MODEL_CPU[2] += time.perf_counter() - began
 
     return run
 
@@ -177,10 +179,15 @@ def best_rate(name: str, steps: int, run) -> float:
     """The best of ``REPEATS`` timings of ``run()`` (which does ``steps`` steps), in steps per second."""
     best = 0.0
     for _ in range(REPEATS.get(name, 1)):
-        start = time.perf_counter()
-        run()
-        best = max(best, steps / (time.perf_counter() - start))
+        with AROUND_TIMED():
+            start = time.perf_counter()
+            run()
+            best = max(best, steps / (time.perf_counter() - start))
     return best
+
+
+# Entered around each timed run (after the warm-up): profile_step.py measures the processes there.
+AROUND_TIMED = contextlib.nullcontext
 UNITS = {"dispatch": "functions/s", "dense": "examples/s", "dense_jax": "examples/s", "keras_fit": "examples/s",
          "keras_fit4": "examples/s", "ctr": "examples/s",
          "ctr_hash": "examples/s",
@@ -202,3 +209,63 @@ def run_child(cmd: list[str], timeout: float, **env: str) -> dict:
     lines = done.stderr.strip().splitlines() or ["no output"]
     errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b", line)]
     return {"error": (errors or lines)[-1][:300]}
+
+
+# -- the compute bound: each workload's maths alone ----------------------------------------------
+def _dense_maths():
+    params = list(dense_init().values())
+    batches = dense_batches(0)
+
+    def step(i):
+        x, y = batches[i % N_BATCHES]
+        _, grads = dense_grads(*params, x, y)
+        for p, g in zip(params, grads):
+            p -= LR * g
+
+    return step
+
+
+def _ctr_maths():
+    table = ctr_table((FIELDS * VOCAB, DIM), np.float32)
+    w = np.full((FIELDS * DIM, 1), 0.01, np.float32)
+    batches = ctr_batches(0)
+
+    def step(i):
+        nonlocal w
+        ids, y = batches[i % N_BATCHES]
+        flat = ids.ravel()
+        _, row_grads, gw = ctr_grads(table[flat], w, ids, y)
+        np.subtract.at(table, flat, LR * row_grads)  # repeated ids add up, as IndexedSlices do
+        w -= LR * gw
+
+    return step
+
+
+def _small_maths():
+    values = small_init()
+
+    def step(i):
+        for v, g in zip(values, small_grads(values)):
+            v -= LR * g
+
+    return step
+
+
+BOUND_MATHS = {"dense": _dense_maths, "ctr": _ctr_maths, "small": _small_maths}
+
+
+def maths_rate(workload: str, seconds: float = 1.0) -> float:
+    """Steps per second of ``workload``'s maths alone in this thread: the gradients and the SGD update on
+    arrays held here, with no parameter server, no copies beyond the maths' own and no framework.
+    Run with one BLAS thread, it times one core's share of the machine's compute bound."""
+    step = BOUND_MATHS[workload]()
+    for i in range(20):
+        step(i)
+    best = 0.0
+    for _ in range(3):  # the best of three slices: a neighbour's burst does not lower the bound
+        n, start = 0, time.perf_counter()
+        while (took := time.perf_counter() - start) < seconds / 3:
+            step(n)
+            n += 1
+        best = max(best, n / took)
+    return best

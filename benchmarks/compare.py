@@ -40,7 +40,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _workloads import UNITS, run_child  # noqa: E402
+from _workloads import BATCH, EXAMPLES_PER_STEP, UNITS, run_child  # noqa: E402
 
 SYSTEMS = {"daskps": "daskps", "tf": "tensorflow", "ray": "ray", "torch": "torch", "torchrec": "torchrec",
            "dask": "distributed"}
@@ -59,6 +59,10 @@ SCALING_STEPS = {"dispatch": 5000}  # in the scaling mode: long enough to time o
 def run_one(system: str, workloads: list[str], num_ps: int, num_workers: int, steps: dict[str, int],
             staleness: int = 0) -> dict:
     """In a subprocess: run ``workloads`` on ``system`` and return rates."""
+    if system == "bound":  # one core's maths alone, steps per second (see ``bound``)
+        import _workloads
+
+        return {w: _workloads.maths_rate(w) for w in workloads if w in _workloads.BOUND_MATHS}
     module = {"daskps": "_run_daskps", "dask": "_run_daskps", "tf": "_run_tf", "ray": "_run_ray",
               "torch": "_run_torch", "torchrec": "_run_torchrec"}[system]
     runner = getattr(__import__(module), f"run_{system}")
@@ -74,6 +78,20 @@ def _spawn(system: str, workloads: list[str], num_ps: int, num_workers: int, ste
     return run_child(cmd, timeout)
 
 
+def bound(workloads: list[str], timeout: float) -> dict[str, float]:
+    """The machine's compute bound per workload (examples per second): the workload's maths alone (gradients
+    and SGD update, numpy, on arrays in one process) in one thread with one BLAS thread, times the cores
+    this process may use. No system moves parameters for free, so none reaches it; how close each comes
+    is the share of the machine its own costs leave to the maths."""
+    one = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # as Dask's workers run
+    cmd = [sys.executable, __file__, "--child", "bound", "--only", ",".join(workloads)]
+    got = run_child(cmd, timeout, **one)
+    return {w: rate * EXAMPLES_PER_STEP[w] * CORES for w, rate in got.items() if w != "error"}
+
+
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def _available(systems: list[str]) -> tuple[list[str], list[str]]:
     have = [s for s in systems if importlib.util.find_spec(SYSTEMS[s]) is not None]
     return have, [s for s in systems if s not in have]
@@ -83,6 +101,9 @@ def compare(systems: list[str], workloads: list[str], rounds: int, num_ps: int, 
             steps: dict, timeout: float, label: str = "round", staleness: int = 0) -> dict[str, dict[str, float]]:
     best: dict[str, dict[str, float]] = {s: {} for s in systems}
     for r in range(rounds):
+        if "daskps" in systems:  # the bound measured in every round, beside the systems; the best one kept
+            for w, rate in bound(workloads, timeout).items():
+                best.setdefault("bound", {})[w] = max(best.get("bound", {}).get(w, 0.0), rate)
         order = systems if r % 2 == 0 else systems[::-1]  # alternate, so load drifts hit all alike
         for system in order:
             wanted = ["dispatch"] if system == "dask" else workloads
@@ -105,7 +126,7 @@ def compare(systems: list[str], workloads: list[str], rounds: int, num_ps: int, 
 
 
 def table(best: dict[str, dict[str, float]], workloads: list[str]) -> str:
-    peers = [s for s in ("tf", "ray", "torch", "torchrec", "dask") if s in best]
+    peers = [s for s in ("tf", "ray", "torch", "torchrec", "dask") if s in best and s != "bound"]
     head = ["workload", "unit"] + [NAMES[s] for s in ["daskps"] + peers] + [f"daskps / {NAMES[p]}" for p in peers]
     rows = [head, ["---"] * len(head)]
     for w in workloads:
@@ -155,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
           + (f"; daskps with staleness={args.staleness}" if args.staleness else ""))
     print(table(best, workloads))
     mine = best.get("daskps", {})
+    if best.get("bound"):
+        print(bound_report(best, workloads))
     if "dense" in mine and "dense_jax" in mine:
         print(f"# daskps dense_jax / dense: {mine['dense_jax'] / mine['dense']:.2f}x")
     for w in ("keras_fit", "keras_fit4"):
@@ -165,6 +188,20 @@ def main(argv: list[str] | None = None) -> int:
     if "dlrm" in workloads:
         print(dlrm_report(best, steps["dlrm"]))
     return 0
+
+
+def bound_report(best: dict[str, dict[str, float]], workloads: list[str]) -> str:
+    """The compute bound lines: each workload's bound, and the share of it each system reached."""
+    limit = best["bound"]
+    lines = [f"# compute bound ({CORES} cores x the maths alone in one thread, one BLAS thread, best of the rounds); "
+             f"numpy here: the dense step's maths {limit['dense'] / BATCH / CORES:,.0f} steps/s per core"
+             if "dense" in limit else f"# compute bound ({CORES} cores x the maths alone in one thread)"]
+    for w in workloads:
+        if w in limit:
+            shares = ", ".join(f"{NAMES[s]} {best[s][w] / limit[w]:.0%}" for s in best
+                               if s != "bound" and w in best[s])
+            lines.append(f"#   {w}: bound {limit[w]:,.0f} {UNITS[w]}; share reached: {shares}")
+    return "\n".join(lines)
 
 
 def dlrm_report(best: dict[str, dict[str, float]], steps: int) -> str:
@@ -198,7 +235,7 @@ def _scaling(systems: list[str], counts: list[int], args: argparse.Namespace, st
                           label=f"round {r + 1}, {n:2d} trainers")
             for s, rates in got.items():
                 for w, rate in rates.items():
-                    rows[n][s][w] = max(rows[n][s].get(w, 0.0), rate)
+                    rows[n].setdefault(s, {})[w] = max(rows[n][s].get(w, 0.0), rate)
     for w in workloads:
         shown = [s for s in systems if any(w in rows[n].get(s, {}) for n in counts)]
         print(f"\n{w} ({UNITS[w]}), best of {args.rounds} rounds")

@@ -3,13 +3,14 @@
 Dask's RPC costs about a millisecond of CPU per message at each end on a
 small machine, and a hop to the event loop on the caller. On the hot path
 daskps sends its own messages instead: the server's actor listens on the
-worker's host (port 0) from the worker's event loop, and a caller writes a
-request and reads the answer on a plain blocking socket from its own thread.
+worker's host (port 0), serving each connection from a thread of its own
+(:mod:`daskps.server.serving`), and a caller writes a request and reads the
+answer on a plain blocking socket from its own thread.
 A message is ``[8-byte count][8-byte length per frame][frames]``, the frames
 being the wire format (:mod:`daskps._core.wire`); an answer is
 ``("ok", results)`` or ``("error", exception)``. Requests on one connection
-are answered in order, and the server runs every operation on its event loop,
-one at a time, as it runs those that come through Dask.
+are answered in order, and the server runs one message at a time, whichever
+connection, or Dask call, it came from.
 
 Clusters whose workers talk TLS do not open channels: everything goes
 through Dask's comms there, encrypted.
@@ -24,7 +25,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from daskps._core import wire
+from daskps._core import trace, wire
 
 
 # -- the caller's end ----------------------------------------------------------------------------
@@ -60,9 +61,12 @@ class Channel:
         return self._sock is not None
 
     def send(self, ops: Sequence[object], by_value: bool = False) -> None:
+        started = trace.now() if trace.ON else 0.0
         parts = wire.framed(wire.pack_grouped(ops, by_value))
         try:
             _send_all(self.connect(), [memoryview(p).cast("B") for p in parts])
+            if trace.ON:
+                trace.span("send", started)
         except OSError as exc:
             self.close()
             raise ChannelError(f"sending to {self.address} failed: {exc}") from exc
@@ -74,9 +78,14 @@ class Channel:
         """The results of the request sent last; raises the server's error, or :class:`ChannelError`."""
         try:
             sock = self.connect()
+            started = trace.now() if trace.ON else 0.0
             count = wire.COUNT.unpack(receive_exactly(sock, 8))[0]
+            arrived = trace.now() if trace.ON else 0.0
             sizes = struct.unpack(f"!{count}Q", receive_exactly(sock, 8 * count))
             status, value = wire.unpack_grouped([receive_exactly(sock, n) for n in sizes])
+            if trace.ON:
+                trace.span("wait", started, arrived)
+                trace.span("receive", arrived)
         except OSError as exc:
             self.close()
             raise ChannelError(f"receiving from {self.address} failed: {exc}") from exc
@@ -137,7 +146,7 @@ def receive_exactly(sock: socket.socket, n: int) -> bytearray:
     buffer = bytearray(n)
     view, got = memoryview(buffer), 0
     while got < n:
-        k = sock.recv_into(view[got:])
+        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)  # one call, unless a signal cuts it short
         if not k:
             raise ConnectionResetError("the parameter server closed the channel")
         got += k

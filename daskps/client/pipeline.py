@@ -37,6 +37,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from daskps._core import trace
 from daskps._core.bags import BagGrad
 from daskps._core.updates import Refused
 from daskps.errors import PartlyAppliedError
@@ -80,7 +81,10 @@ class Pipeline:
                     np.add(held_grad, cast(np.ndarray, grad), out=held_grad)
                 held[-1] = last._replace(times=last.times + 1)
                 return
+        started = trace.now() if trace.ON else 0.0
         self.pending.setdefault(server, []).append(_copied(op))
+        if trace.ON:
+            trace.span("hold", started)
         self.owners.setdefault(server, []).append(self.function)  # type: ignore[arg-type]
         if self.held_since is None:
             self.held_since = self.reads.step

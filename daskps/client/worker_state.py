@@ -68,7 +68,7 @@ class DaskPSWorkerPlugin(WorkerPlugin):
         return found
 
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # glibc's mallopt parameters
 
 
 class QuietHeartbeatAtClose(logging.Filter):
@@ -108,8 +108,11 @@ def set_mmap_threshold(threshold: object) -> bool:
 
     The heap keeps up to twice that free at its top (the trim threshold),
     or a freed block would go back to the system at once, to be faulted in
-    afresh at the next step. Returns whether it was set: not for ``0``, nor
-    where the C library is not glibc.
+    afresh at the next step. Every thread allocates from that one heap (one
+    arena): a parameter server's channels run in threads of their own, and
+    the blocks of variables dropped there would otherwise stay with their
+    threads' arenas, never given back. Returns whether it was set: not for
+    ``0``, nor where the C library is not glibc.
     """
     size = mmap_threshold(threshold)
     if size <= 0 or not sys.platform.startswith("linux"):
@@ -120,7 +123,8 @@ def set_mmap_threshold(threshold: object) -> bool:
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
     trim = min(2 * size, 2**31 - 1)
-    return bool(mallopt(M_MMAP_THRESHOLD, ctypes.c_int(size))) and bool(mallopt(M_TRIM_THRESHOLD, ctypes.c_int(trim)))
+    return (bool(mallopt(M_ARENA_MAX, ctypes.c_int(1))) and bool(mallopt(M_MMAP_THRESHOLD, ctypes.c_int(size)))
+            and bool(mallopt(M_TRIM_THRESHOLD, ctypes.c_int(trim))))
 
 
 def plugin_of(worker: Any) -> DaskPSWorkerPlugin:

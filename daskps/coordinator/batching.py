@@ -4,10 +4,12 @@ Every batch is one Dask task on one trainer, so a batch should hold enough
 work to be worth its round trip (about ``BATCH_SECONDS``, from how long
 functions have taken: a moving average of their reports) and no more than
 ``daskps.max-batch`` functions. Only as many trainers as the outstanding work
-needs get batches, one each; a second one each (which saves the gap between
-batches) goes out only once the backlog is deep. So short functions go out
-in few big batches to one trainer (more would only add overhead), long ones
-in small batches spread over every trainer; the last batches are short.
+needs get batches, one each; then, while a whole batch more is queued for
+each, a second one each, which waits on its trainer and starts the moment
+the first ends (a trainer with none idles a round trip through the
+scheduler). So short functions go out in few big batches to one trainer
+(more would only add overhead), long ones in small batches spread over every
+trainer; the last batches are short.
 Until durations are known, the queue is split evenly over every trainer.
 
 The policy is pure arithmetic on counts; :class:`BatchPolicy` holds only the
@@ -54,6 +56,9 @@ class BatchPolicy:
         # Batches capped at daskps.max-batch: the work is more than one batch per trainer can carry, so
         # spread it (short functions would otherwise wait for a round trip per batch on one trainer).
         useful = min(trainers, max(useful, math.ceil(queued / size)))
-        if in_flight >= 2 * useful or (in_flight >= useful and queued < 2 * useful * size):
+        # Each trainer busy: a second batch each waits on its trainer and starts the moment the first ends
+        # (else the trainer idles a round trip through the scheduler), when a whole one is queued for each;
+        # not until durations are known (the queue was split evenly over the trainers).
+        if in_flight >= 2 * useful or (in_flight >= useful and (per is None or queued < useful * size)):
             return 0
         return min(size, queued)

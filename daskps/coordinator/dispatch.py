@@ -94,12 +94,15 @@ class Dispatcher:
                     break
                 batches.append(book.take(size))
             for closures in batches:
-                key = f"daskps-batch-{next(self._batch_ids)}-{self._strategy.token[:8]}"
+                number = next(self._batch_ids)
+                key = f"daskps-batch-{number}-{self._strategy.token[:8]}"
                 # One bytes object: Dask walks every nested list and tuple of a task's arguments.
                 payload = pickle.dumps([(c.id, c.blob, c.staleness) for c in closures], protocol=5)
+                # Batches waiting on one trainer start in the order they were made: Dask ranks tasks submitted
+                # within 100 ms of each other alike, and then by key, where batch 10 comes before batch 9.
                 future = self._client.submit(
                     run_batch, self._strategy_blob, self._topic, key, payload,
-                    key=key, resources={"worker": 1}, pure=False,
+                    key=key, resources={"worker": 1}, pure=False, priority=-number,
                 )
                 book.batches[key] = (future, closures)
                 for c in closures:

@@ -17,6 +17,7 @@ from typing import Any
 
 from distributed import as_completed
 
+from daskps._core import trace
 from daskps.client.routing import ROUTES
 from daskps.coordinator.remote import FAILED, PENDING
 from daskps.errors import CancelledError
@@ -35,7 +36,10 @@ class Settler:
         """A topic's event, for the settler if it is still alive (the subscription holds it weakly)."""
         alive = settler()
         if alive is not None:
+            started = trace.now() if trace.ON else 0.0
             alive.on_event(event)
+            if trace.ON:
+                trace.span("events", started)
 
     def on_event(self, event: tuple[float, Any]) -> None:
         """On the client's event loop: functions finished on a trainer, or servers seen lost."""

@@ -12,6 +12,7 @@ in-process :mod:`daskps.server.local` are all a caller imports of the server.
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -48,16 +49,19 @@ class DaskParameterServer(ParameterServer):
 
     def __init__(self, task_id: int | None):
         super().__init__(task_id)
+        self._lock = threading.Lock()  # one message at a time, from Dask's actor thread or a channel's
         worker = get_worker()
         scheme, _, rest = worker.address.partition("://")
         if scheme == "tcp":
             host = rest.rsplit(":", 1)[0].strip("[]")
             self.channel, close = serving.open_channel(self, host, worker.loop.asyncio_loop,  # type: ignore[attr-defined]
-                                                       functools.partial(_worker_open, weakref.ref(worker)))
+                                                       functools.partial(_worker_open, weakref.ref(worker)),
+                                                       self._lock)
             weakref.finalize(self, close)
 
     def handle(self, message: Message) -> Serialized:
-        return serialized(self.execute(message))
+        with self._lock:
+            return serialized(self.execute(message))
 
 
 def _worker_open(worker: weakref.ref) -> bool:

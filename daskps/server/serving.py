@@ -1,50 +1,59 @@
 """The server's end of a direct channel (:mod:`daskps.client.channel` is the caller's).
 
-A parameter server's actor listens on its worker's host (port 0), from the
-worker's event loop; each connection reads requests
-(``[8-byte count][8-byte length per frame][frames]``, :mod:`daskps._core.wire`),
-runs them on the server one at a time, in order, and writes the answer
-(``("ok", results)`` or ``("error", exception)``).
+A parameter server's actor listens on its worker's host (port 0); the
+worker's event loop accepts connections, and each connection gets a thread
+of its own that reads requests
+(``[8-byte count][8-byte length per frame][frames]``, :mod:`daskps._core.wire`)
+with blocking calls, runs them on the server under the server's lock (one
+message at a time, whichever connection or Dask call it came from), and
+writes the answer (``("ok", results)`` or ``("error", exception)``).
+
+A thread per connection, not the event loop: a large message is read in one
+call per frame instead of a loop callback per chunk the socket hands over,
+an answer is written in one call, and the server's work does not hold up
+the worker's own comms and heartbeats.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import struct
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
 
-from daskps._core import wire
+from daskps._core import trace, wire
 
-_MAX_PARTS = 512  # buffers per writev (the system's limit is 1024 or more)
+_MAX_PARTS = 512  # buffers per sendmsg (the system's limit is 1024 or more)
 
 
 def open_channel(server: Any, host: str, loop: asyncio.AbstractEventLoop,
-                 alive: Callable[[], bool] = lambda: True) -> tuple[str, Callable[[], None]]:
-    """Listen for ``server`` on ``host`` (a free port) from ``loop``; return ``host:port`` and a closer.
+                 alive: Callable[[], bool] = lambda: True,
+                 lock: threading.Lock | None = None) -> tuple[str, Callable[[], None]]:
+    """Listen for ``server`` on ``host`` (a free port), accepting from ``loop``; return ``host:port`` and a closer.
 
-    Connections hold the server weakly: once Dask drops the actor, they close. So they do at the first
-    request that finds ``alive()`` false (its worker closed, though this process and the actor live on:
-    a worker thread's, or one an operator closed), and the caller learns the server is gone.
+    ``lock`` (a new one by default) is held while a message runs: pass the one
+    the server's other callers take. Connections hold the server weakly: once
+    Dask drops the actor, they close. So they do at the first request that
+    finds ``alive()`` false (its worker closed, though this process and the
+    actor live on: a worker thread's, or one an operator closed), and the
+    caller learns the server is gone.
     """
     ref = weakref.ref(server)
-    connections: weakref.WeakSet[_Serving] = weakref.WeakSet()
+    lock = lock or threading.Lock()
+    connections: set[socket.socket] = set()
+    guard = threading.Lock()  # connections, and whether the channel is closed
+    closed = False
     # Our own listening socket and accept, not ``loop.create_server``: asyncio (3.11) drops a connection it
     # accepted just before its server closed without closing it, and a caller that had connected and sent
     # a request then waited for an answer until the garbage collector closed that socket (about a minute).
-    # Here every accepted connection gets its transport, and one whose server is gone is closed at its
-    # first request.
+    # Here every accepted connection gets its thread, and one whose server is gone is closed at its first
+    # request.
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.create_server((host, 0), family=family)
     listener.setblocking(False)
-
-    def serving() -> _Serving:
-        connection = _Serving(ref, alive)
-        connections.add(connection)
-        return connection
 
     def accept() -> None:
         while True:
@@ -52,116 +61,121 @@ def open_channel(server: Any, host: str, loop: asyncio.AbstractEventLoop,
                 conn, _ = listener.accept()
             except OSError:  # none waiting (BlockingIOError), or the listener closed meanwhile
                 return
-            conn.setblocking(False)
-            loop.create_task(_attach(loop, serving, conn))
+            with guard:
+                if closed:
+                    conn.close()
+                    continue
+                connections.add(conn)
+            conn.setblocking(True)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=_serve, args=(conn, ref, alive, lock, connections, guard),
+                             name=f"daskps-channel-{listener.getsockname()[1]}", daemon=True).start()
 
     def close_all() -> None:
+        nonlocal closed
         loop.remove_reader(listener.fileno())
         listener.close()  # connections still waiting to be accepted are refused
-        for connection in list(connections):
-            if connection.transport is not None:
-                connection.transport.close()
+        with guard:
+            closed = True
+            for conn in list(connections):
+                _shut(conn)  # its thread's read ends; the thread closes it
 
     def close() -> None:
         try:
             loop.call_soon_threadsafe(close_all)
         except RuntimeError:  # the loop is closed: so is everything on it
             listener.close()
+            with guard:
+                for conn in list(connections):
+                    _shut(conn)
 
     port = listener.getsockname()[1]
     loop.call_soon_threadsafe(loop.add_reader, listener.fileno(), accept)
     return f"{host}:{port}", close
 
 
-async def _attach(loop: asyncio.AbstractEventLoop, serving: Callable[[], _Serving], conn: socket.socket) -> None:
+def _shut(conn: socket.socket) -> None:
     try:
-        await loop.connect_accepted_socket(serving, conn)
-    except OSError:  # the caller went away before its connection was set up
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:  # not connected any more
+        pass
+
+
+def _serve(conn: socket.socket, ref: weakref.ref, alive: Callable[[], bool], lock: threading.Lock,
+           connections: set[socket.socket], guard: threading.Lock) -> None:
+    """One caller's connection, in its own thread: each request read whole, run, answered, in order."""
+    try:
+        while True:
+            head = _receive(conn, 8)
+            if head is None:
+                return  # the caller closed it (or the channel did)
+            arriving = trace.now() if trace.ON else 0.0
+            count = wire.COUNT.unpack(head)[0]
+            table = _receive(conn, 8 * count)
+            if table is None:
+                return
+            sizes = struct.unpack(f"!{count}Q", table)
+            frames = []
+            for n in sizes:
+                frame = _receive(conn, n)
+                if frame is None:
+                    return
+                frames.append(frame)
+            server = ref()
+            if server is None or not alive():  # the actor, or its worker, is gone
+                return
+            with lock:
+                started = executed = trace.now() if trace.ON else 0.0
+                try:
+                    # Reads may hand over the server's own arrays: they are sent, or copied, before the lock goes.
+                    answer: tuple = ("ok", server.execute(wire.unpack_grouped(frames), shared_reads=True))
+                except Exception as exc:
+                    answer = ("error", exc)
+                del server
+                if trace.ON:
+                    executed = trace.now()
+                    trace.span("read in", arriving, started)
+                    trace.span("execute", started, executed)
+                rest = _send_now(conn, wire.framed(wire.pack_answer(answer)))
+                del answer
+            if rest:  # what the socket would not take at once, sent outside the lock (a copy)
+                conn.sendall(rest)
+            if trace.ON:
+                trace.span("write", executed)
+    except OSError:  # the caller went away mid-message, or the channel closed
+        return
+    finally:
+        with guard:
+            connections.discard(conn)
         conn.close()
 
 
-class _Serving(asyncio.BufferedProtocol):
-    """One caller's connection: reads each frame straight into its own buffer, answers in order."""
+def _receive(conn: socket.socket, n: int) -> bytearray | None:
+    """The next ``n`` bytes (a writable buffer: arrays unpacked from it are writable), or ``None`` at the end."""
+    buffer = bytearray(n)
+    view, got = memoryview(buffer), 0
+    while got < n:
+        k = conn.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+        if not k:
+            return None
+        got += k
+    return buffer
 
-    def __init__(self, ref: weakref.ref, alive: Callable[[], bool]):
-        self.ref = ref
-        self.alive = alive
-        self.transport: Any = None
-        self._expect(8, self._got_count)
 
-    def connection_made(self, transport: Any) -> None:
-        self.transport = transport
-
-    def _expect(self, n: int, then: Callable[[bytearray], None]) -> None:
-        self.buffer, self.filled, self.then = bytearray(n), 0, then
-        if n == 0:
-            then(self.buffer)
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return memoryview(self.buffer)[self.filled:]
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self.filled += nbytes
-        if self.filled == len(self.buffer):
-            self.then(self.buffer)
-
-    def _got_count(self, raw: bytearray) -> None:
-        count = wire.COUNT.unpack(raw)[0]
-        self._expect(8 * count, self._got_sizes)
-
-    def _got_sizes(self, raw: bytearray) -> None:
-        self.sizes = list(struct.unpack(f"!{len(raw) // 8}Q", raw))
-        self.frames: list[bytearray] = []
-        self._next_frame()
-
-    def _next_frame(self) -> None:
-        if len(self.frames) == len(self.sizes):
-            self._answer(self.frames)
-            self._expect(8, self._got_count)
-        else:
-            self._expect(self.sizes[len(self.frames)], self._got_frame)
-
-    def _got_frame(self, raw: bytearray) -> None:
-        self.frames.append(raw)
-        self._next_frame()
-
-    def _answer(self, frames: list[bytearray]) -> None:
-        server = self.ref()
-        if server is None or not self.alive():  # the actor, or its worker, is gone
-            self.transport.close()
-            return
+def _send_now(conn: socket.socket, parts: list) -> bytes:
+    """Send ``parts`` as far as the socket takes them without waiting; return a copy of the rest."""
+    views = [memoryview(p).cast("B") for p in parts]
+    sent = 0
+    if len(views) <= _MAX_PARTS:
         try:
-            # Reads may hand over the server's own arrays: _write sends or copies them before anything else runs.
-            answer: tuple = ("ok", server.execute(wire.unpack_grouped(frames), shared_reads=True))
-        except Exception as exc:
-            answer = ("error", exc)
-        self._write(wire.framed(wire.pack_answer(answer)))
-
-    def _write(self, parts: list) -> None:
-        """Send ``parts`` now, as far as the socket takes them; queue a copy of the rest.
-
-        Whatever is left is copied before this returns, so a reply may hold
-        the server's own arrays (nothing else runs meanwhile).
-        """
-        transport = self.transport
-        if transport.is_closing():
-            return
-        sent = 0
-        if not transport.get_write_buffer_size() and len(parts) <= _MAX_PARTS:  # the socket is ours to write
-            try:
-                sent = os.writev(transport.get_extra_info("socket").fileno(), parts)
-            except (BlockingIOError, InterruptedError):
-                pass
-            except OSError:
-                transport.close()
-                return
-        rest = []
-        for part in parts:
-            n = memoryview(part).nbytes
-            if sent >= n:
-                sent -= n
-                continue
-            rest.append(memoryview(part).cast("B")[sent:])
+            sent = conn.sendmsg(views, [], socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
             sent = 0
-        if rest:
-            transport.write(b"".join(rest))
+    rest = []
+    for view in views:
+        if sent >= view.nbytes:
+            sent -= view.nbytes
+            continue
+        rest.append(view[sent:])
+        sent = 0
+    return b"".join(rest)

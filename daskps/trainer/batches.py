@@ -36,6 +36,7 @@ from distributed.protocol.pickle import dumps
 from distributed.utils import sync
 from distributed.worker import get_worker
 
+from daskps._core import trace
 from daskps._core.config import setting
 from daskps._core.nest import map_structure
 from daskps._core.pickling import FunctionCache
@@ -64,6 +65,7 @@ def run_batch_here(strategy_blob: bytes, topic: str, batch_key: str, batch: byte
     handles here follow them.
     """
     worker = get_worker()
+    began = trace.now() if trace.ON else 0.0
     answer = Reported(*sync(worker.loop, getattr(worker.scheduler, REPORTED_HANDLER), key=batch_key))
     if answer.moves:
         refs.follow({old: ServerRef(*new) for old, new in answer.moves.items()})
@@ -87,6 +89,8 @@ def run_batch_here(strategy_blob: bytes, topic: str, batch_key: str, batch: byte
             with running_function(cid):
                 status, payload, value = _run_one(strategy, blob)
             took = time.perf_counter() - started
+            if trace.ON:
+                trace.span("function", started, started + took)
             pipe.function = None
             if status == BIG:
                 big[cid] = value
@@ -102,6 +106,8 @@ def run_batch_here(strategy_blob: bytes, topic: str, batch_key: str, batch: byte
                                  or (staleness and pipe.held_too_long())):
                 _settle(reporter)
         _settle(reporter, final=True)
+    if trace.ON:
+        trace.span("batch", began)
     return big
 
 
@@ -166,7 +172,10 @@ class _Reporter:
         with self.lock:
             outbox, self.outbox, self.timer = self.outbox, [], False
         if outbox:
+            started = trace.now() if trace.ON else 0.0
             self.worker.log_event(self.topic, [self.batch_key, outbox, str(self.worker.name)])  # ran by whom
+            if trace.ON:
+                trace.span("report", started)
 
 
 def _cancelled(worker: Any, key: str) -> bool:

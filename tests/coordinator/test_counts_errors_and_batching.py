@@ -244,13 +244,17 @@ def test_short_functions_go_in_one_big_batch_long_ones_spread_over_the_trainers(
     short.observe([0.001, 0.001])
     long.observe([0.1])
     assert short.next_size(queued=100, pending=100, trainers=2, in_flight=0) == 100  # 0.1 s of work: one batch
-    # while that one batch runs, a backlog it could carry waits for it rather than go to the other trainer
-    assert short.next_size(queued=10, pending=20, trainers=2, in_flight=1) == 0
+    # while that one batch runs, what it could carry goes as a second batch to follow it on its trainer
+    assert short.next_size(queued=10, pending=20, trainers=2, in_flight=1) == 10
+    assert short.next_size(queued=10, pending=30, trainers=2, in_flight=2) == 0  # two batches for its one trainer
     assert long.next_size(queued=10, pending=10, trainers=2, in_flight=0) == int(BATCH_SECONDS / 0.1)
-    # a second batch each only once the backlog is deep; a third never
-    assert long.next_size(queued=7, pending=10, trainers=2, in_flight=2) == 0
-    assert long.next_size(queued=100, pending=100, trainers=2, in_flight=2) == 2
+    # a batch each first; then a second each while a whole one is queued for every trainer; a third never
+    assert long.next_size(queued=3, pending=7, trainers=2, in_flight=1) == 2
+    assert long.next_size(queued=3, pending=7, trainers=2, in_flight=2) == 0
+    assert long.next_size(queued=4, pending=8, trainers=2, in_flight=2) == 2
     assert long.next_size(queued=100, pending=100, trainers=2, in_flight=4) == 0
+    # until durations are known, one batch each: the queue split evenly over the trainers
+    assert BatchPolicy().next_size(queued=40, pending=80, trainers=2, in_flight=2) == 0
 
 
 def test_the_duration_is_a_moving_average_and_max_batch_caps_a_batch():

@@ -25,7 +25,7 @@ from distributed import get_worker
 import daskps as dps
 from daskps.distribute.cluster import cluster_workers
 from daskps.errors import RollbackWarning
-from tests.helpers.cluster import kill_worker, two_ps_training, worker_address
+from tests.helpers.cluster import kill_worker, set_trainer_slots, two_ps_training, worker_address
 from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.cluster  # every test here starts a cluster or a process
@@ -201,3 +201,30 @@ def test_a_ps_gone_for_good_is_recreated_on_the_least_loaded_ps_worker(tmp_path)
         finally:
             spare.terminate()
             spare.wait(timeout=30)
+
+
+def _note_order(i):
+    worker = get_worker()
+    seen = worker.__dict__.setdefault("daskps_test_order", [])
+    seen.append(i)
+    return worker.name
+
+
+def _take_order(dask_worker):
+    return dask_worker.__dict__.pop("daskps_test_order", [])
+
+
+def test_batches_waiting_on_one_trainer_run_in_the_order_they_were_made(client, strategy, coordinator):
+    """With one trainer and a batch per function, several batches wait on it at once: they run as
+    scheduled (Dask ranks tasks submitted close together by key, where batch 10 sorts before batch 9)."""
+    set_trainer_slots(client, "worker-1", 0)
+    try:
+        client.run(_take_order)
+        with dask.config.set({"daskps.max-batch": 1}):
+            values = [coordinator.schedule(_note_order, args=(i,)) for i in range(60)]
+            coordinator.join()
+        assert {v.fetch() for v in values} == {"worker-0"}
+        ran = [i for seen in client.run(_take_order).values() for i in seen]
+        assert ran == list(range(60))
+    finally:
+        set_trainer_slots(client, "worker-1", 1)
