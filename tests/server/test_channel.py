@@ -183,3 +183,39 @@ def test_a_caller_that_connected_as_the_server_closed_is_answered_or_closed_neve
         runner.join(5)
     assert outcomes["waiting"] == 0, f"callers left waiting 5 s for an answer or a close: {outcomes}"
     assert outcomes["answered"] + outcomes["closed"] == 300
+
+
+def test_a_traced_round_trip_records_each_hop_at_each_end_in_the_order_they_happen(monkeypatch):
+    """With tracing on (``profile_step.py --trace``), one request through a real channel records the caller's
+    send, wait and receive, and the server's read-in, execute and write: each once, each ending after it
+    starts, the server's work inside the caller's round trip."""
+    import asyncio
+
+    from daskps._core import trace
+    from daskps.client.channel import Channel
+    from daskps.server import serving
+
+    monkeypatch.setattr(trace, "ON", True)
+    trace.collect()
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    server = _Answers()  # held here: the channel holds it weakly
+    address, close = serving.open_channel(server, "127.0.0.1", loop)
+    caller = Channel(address, 5)
+    try:
+        caller.send([("read",)])
+        assert caller.receive() == ["answered"]
+    finally:
+        caller.close()
+        close()
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(5)
+    rows = trace.collect()
+    spans = {hop: (start, end) for hop, start, end in rows}
+    assert sorted(hop for hop, _, _ in rows) == sorted(["send", "wait", "receive", "read in", "execute", "write"])
+    assert all(start <= end for start, end in spans.values()), spans
+    assert spans["send"][0] <= spans["read in"][0] <= spans["execute"][0] <= spans["execute"][1]
+    assert spans["execute"][1] <= spans["write"][0] and spans["execute"][1] <= spans["wait"][1]
+    assert spans["wait"][1] <= spans["receive"][0] and spans["send"][1] <= spans["wait"][0]
+    assert not trace.collect()  # collected once
