@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import socket
 import struct
 from typing import Any
 
@@ -160,3 +161,16 @@ def pack_answer(answer: tuple) -> list:
         return pack_grouped(answer)
     except Exception as exc:  # an exception that does not pickle
         return pack_grouped(("error", RuntimeError(f"{type(answer[1]).__name__}: {answer[1]}; ({exc})")))
+
+
+def receive_exactly(sock: socket.socket, n: int) -> bytearray:
+    """The next ``n`` bytes from ``sock`` (a writable buffer), waiting for all of them; ``ConnectionResetError``
+    if it closes first. Both ends of a direct channel read with it."""
+    buffer = bytearray(n)
+    view, got = memoryview(buffer), 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)  # one call, unless a signal cuts it short
+        if not k:
+            raise ConnectionResetError("the parameter server closed the channel")  # (a caller closing, on the server's end)
+        got += k
+    return buffer

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from daskps._core import trace, wire
+from daskps._core.wire import receive_exactly
 
 
 # -- the caller's end ----------------------------------------------------------------------------
@@ -139,15 +140,3 @@ def _send_all(sock: socket.socket, parts: list[memoryview]) -> None:
             parts.pop(0)
         if parts and sent:
             parts[0] = parts[0][sent:]
-
-
-def receive_exactly(sock: socket.socket, n: int) -> bytearray:
-    """The next ``n`` bytes from ``sock``, waiting for all of them; ``ConnectionResetError`` if it closes first."""
-    buffer = bytearray(n)
-    view, got = memoryview(buffer), 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)  # one call, unless a signal cuts it short
-        if not k:
-            raise ConnectionResetError("the parameter server closed the channel")
-        got += k
-    return buffer

@@ -106,21 +106,11 @@ def _serve(conn: socket.socket, ref: weakref.ref, alive: Callable[[], bool], loc
     """One caller's connection, in its own thread: each request read whole, run, answered, in order."""
     try:
         while True:
-            head = _receive(conn, 8)
-            if head is None:
-                return  # the caller closed it (or the channel did)
+            # Ends (ConnectionResetError) once the caller closes it, or the channel does.
+            count = wire.COUNT.unpack(wire.receive_exactly(conn, 8))[0]
             arriving = trace.now() if trace.ON else 0.0
-            count = wire.COUNT.unpack(head)[0]
-            table = _receive(conn, 8 * count)
-            if table is None:
-                return
-            sizes = struct.unpack(f"!{count}Q", table)
-            frames = []
-            for n in sizes:
-                frame = _receive(conn, n)
-                if frame is None:
-                    return
-                frames.append(frame)
+            sizes = struct.unpack(f"!{count}Q", wire.receive_exactly(conn, 8 * count))
+            frames = [wire.receive_exactly(conn, n) for n in sizes]
             server = ref()
             if server is None or not alive():  # the actor, or its worker, is gone
                 return
@@ -148,18 +138,6 @@ def _serve(conn: socket.socket, ref: weakref.ref, alive: Callable[[], bool], loc
         with guard:
             connections.discard(conn)
         conn.close()
-
-
-def _receive(conn: socket.socket, n: int) -> bytearray | None:
-    """The next ``n`` bytes (a writable buffer: arrays unpacked from it are writable), or ``None`` at the end."""
-    buffer = bytearray(n)
-    view, got = memoryview(buffer), 0
-    while got < n:
-        k = conn.recv_into(view[got:], n - got, socket.MSG_WAITALL)
-        if not k:
-            return None
-        got += k
-    return buffer
 
 
 def _send_now(conn: socket.socket, parts: list) -> bytes:
