@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -49,6 +50,22 @@ def _pids(client) -> dict[str, int]:
     return roles
 
 
+def _thread_names() -> dict[int, str]:
+    """This process's threads: native id -> Python name (run in each process)."""
+    import threading
+
+    return {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+
+
+def _thread_cpu(pids: dict[str, int]) -> dict[tuple[str, int], float]:
+    """CPU seconds of each thread of each role's process so far, by (role, native id)."""
+    out = {}
+    for role, pid in pids.items():
+        for t in psutil.Process(pid).threads():
+            out[role, t.id] = t.user_time + t.system_time
+    return out
+
+
 def _cpu(pids: dict[str, int]) -> dict[str, tuple[float, float]]:
     """CPU seconds (user, system) of each role's process so far."""
     out = {}
@@ -68,6 +85,7 @@ def main() -> int:
     parser.add_argument("--idle", action="store_true", help="py-spy also samples threads that wait")
     parser.add_argument("--py-spy", default=None, metavar="DIR", help="record every process with py-spy into DIR")
     parser.add_argument("--trace", action="store_true", help="time every hop of each step (see above)")
+    parser.add_argument("--threads", action="store_true", help="CPU per step of each thread of each process")
     parser.add_argument("--trace-out", default=None, metavar="FILE", help="with --trace: write every span as JSON")
     args = parser.parse_args()
     if args.trace:
@@ -90,9 +108,19 @@ def main() -> int:
                 model_before = client.run(_model_cpu)
                 client.run(trace.collect)
                 trace.collect()
+                threads_before = _thread_cpu(pids) if args.threads else {}
                 before, start = _cpu(pids), time.perf_counter()
                 yield
                 seen["start"], seen["wall"], after = start, time.perf_counter() - start, _cpu(pids)
+                if args.threads:
+                    names = {pid: client.run(_thread_names, workers=[a])[a]
+                             for a, info in cluster_workers(client).items()
+                             for pid in [pids[str(info["name"])]]}
+                    names[os.getpid()] = _thread_names()
+                    names[pids.get("scheduler", os.getpid())] = client.run_on_scheduler(_thread_names)
+                    grown = _thread_cpu(pids)
+                    seen["threads"] = [(role, names[pids[role]].get(tid, f"thread {tid}"),
+                                        cpu - threads_before.get((role, tid), 0.0)) for (role, tid), cpu in grown.items()]
                 seen["cpu"] = {role: sum(after[role]) - sum(before[role]) for role in pids}
                 seen["system"] = {role: after[role][1] - before[role][1] for role in pids}
                 seen["spans"] = {cluster_workers(client)[a]["name"]: s for a, s in client.run(trace.collect).items()}
@@ -119,6 +147,15 @@ def main() -> int:
     cores = len(os.sched_getaffinity(0))
     print(f"  {'all':26s} {total:7.2f} ms CPU per step ({cores} cores give {cores * 1e3 * wall / steps:.2f}: "
           f"{1 - total / (cores * 1e3 * wall / steps):.0%} idle)")
+    if args.threads:
+        by_thread: dict = {}
+        for role, name, cpu_s in seen["threads"]:
+            key = (role, re.sub(r"[-_ ]?\d+$", "", name))  # a pool's threads together
+            by_thread[key] = by_thread.get(key, 0.0) + cpu_s
+        print("  by thread, ms CPU per step:")
+        for (role, name), cpu_s in sorted(by_thread.items(), key=lambda kv: -kv[1]):
+            if 1e3 * cpu_s / steps >= 0.005:
+                print(f"    {role:14s} {name:40s} {1e3 * cpu_s / steps:6.3f}")
     model_seconds, model_calls = sum(m[0] for m in model.values()), sum(m[1] for m in model.values())
     if model_calls:
         trainers = sum(cpu[r] for r in cpu if r.startswith("worker-"))

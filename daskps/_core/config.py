@@ -64,17 +64,23 @@ def _positive(key: str, value: Any) -> float:
     return number
 
 
-def _mmap_bytes(key: str, value: Any) -> int:
-    try:
-        if value is None or isinstance(value, bool):
-            raise ValueError
-        size = parse_bytes(value) if isinstance(value, str) else int(value)
-    except (TypeError, ValueError):
-        size = -1
-    if not 0 <= size < 2**31:
-        raise ValueError(f"{key} must be a size below 2 GiB such as '32MiB', or 0 to leave malloc as Dask "
-                         f"set it; got {value!r}")
-    return size
+def _size(below: int, must: str) -> Callable[[str, Any], int]:
+    """A size in bytes (``'32MiB'`` or a number) from 0 up to, not including, ``below``."""
+    def convert(key: str, value: Any) -> int:
+        try:
+            if value is None or isinstance(value, bool):
+                raise ValueError
+            size = parse_bytes(value) if isinstance(value, str) else int(value)
+        except (TypeError, ValueError):
+            size = -1
+        if not 0 <= size < below:
+            raise ValueError(f"{key} must be {must}; got {value!r}")
+        return size
+    return convert
+
+
+_mmap_bytes = _size(2**31, "a size below 2 GiB such as '32MiB', or 0 to leave malloc as Dask set it")
+_shared_bytes = _size(2**32 + 1, "a size of at most 4 GiB such as '16MiB', or 0 for the socket alone")
 
 
 def _progress_bar(key: str, value: Any) -> str:
@@ -99,6 +105,7 @@ class Settings(NamedTuple):
     progress_bytes: float
     large_variable_elements: float
     worker_mmap_threshold: int
+    channel_shared_memory: int
     data_shuffle_buffer_rows: int
 
 
@@ -117,6 +124,7 @@ KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "progress_bytes": ("daskps.progress-bytes", _positive),
     "large_variable_elements": ("daskps.large-variable-elements", _positive),
     "worker_mmap_threshold": ("daskps.worker-mmap-threshold", _mmap_bytes),
+    "channel_shared_memory": ("daskps.channel-shared-memory", _shared_bytes),
     "data_shuffle_buffer_rows": ("daskps.data.shuffle-buffer-rows", _count(1)),
 }
 assert tuple(KEYS) == Settings._fields

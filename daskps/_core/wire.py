@@ -61,21 +61,32 @@ def _groupable(obj: Any) -> bool:
 
 
 class _Grouping:
-    """Pickles small numeric arrays as references to one shared buffer (see :func:`pack_grouped`)."""
+    """Pickles small numeric arrays as references to one shared buffer (see :func:`pack_grouped`).
+
+    Through ``reducer_override``, which pickle consults for objects of types
+    it has no fast path for (not for the strings, numbers, lists and tuples a
+    message is mostly made of): an array becomes ``_slot(place)``, which the
+    reading end resolves to the array at ``place`` of the shared buffer.
+    """
 
     def __init__(self, file: io.BytesIO, buffer_callback: Any):
         super().__init__(file, protocol=5, buffer_callback=buffer_callback)  # type: ignore[call-arg]
         self.arrays: list[np.ndarray] = []
-        self.seen: dict[int, int] = {}  # id of an array -> its place: one array sent twice is one array
 
-    def persistent_id(self, obj: Any) -> int | None:
-        if not _groupable(obj):
-            return None
-        place = self.seen.get(id(obj))
-        if place is None:
-            place = self.seen[id(obj)] = len(self.arrays)
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is np.ndarray and obj.dtype.kind in "biufc" and obj.nbytes < OUT_OF_BAND:
+            # One array sent twice is one array: pickle's memo finds it the second time.
             self.arrays.append(obj)
-        return place
+            return _slot, (len(self.arrays) - 1,)
+        return self._otherwise(obj)
+
+    def _otherwise(self, obj: Any) -> Any:
+        return NotImplemented
+
+
+def _slot(place: int) -> np.ndarray:
+    """Stands for a grouped array in a header: only :func:`unpack_grouped` knows which."""
+    raise pickle.UnpicklingError("a grouped message's header read without its arrays: use unpack_grouped")
 
 
 class _GroupingPickler(_Grouping, pickle.Pickler):
@@ -83,7 +94,8 @@ class _GroupingPickler(_Grouping, pickle.Pickler):
 
 
 class _GroupingCloudPickler(_Grouping, cloudpickle.Pickler):
-    pass
+    def _otherwise(self, obj: Any) -> Any:
+        return cloudpickle.Pickler.reducer_override(self, obj)  # functions and classes by value
 
 
 class _GroupedUnpickler(pickle.Unpickler):
@@ -91,8 +103,10 @@ class _GroupedUnpickler(pickle.Unpickler):
         super().__init__(file, buffers=buffers)
         self.arrays = arrays
 
-    def persistent_load(self, pid: Any) -> np.ndarray:
-        return self.arrays[pid]
+    def find_class(self, module: str, name: str) -> Any:
+        if name == "_slot" and module == __name__:
+            return self.arrays.__getitem__
+        return super().find_class(module, name)
 
 
 def pack_grouped(obj: Any, by_value: bool = False) -> list:

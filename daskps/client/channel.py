@@ -18,6 +18,8 @@ through Dask's comms there, encrypted.
 
 from __future__ import annotations
 
+import os
+import pickle
 import select
 import socket
 import struct
@@ -25,7 +27,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from daskps._core import trace, wire
+from daskps._core import shared, trace, wire
 from daskps._core.wire import receive_exactly
 
 
@@ -40,11 +42,16 @@ class Channel:
     A channel whose server has gone notices at its next use (or at :func:`prune`).
     """
 
-    def __init__(self, address: str, timeout: float):
+    def __init__(self, address: str, timeout: float, shared_bytes: int = 0):
         self.address = address
         self.timeout = timeout
         self.lock = threading.Lock()
         self._sock: socket.socket | None = None
+        # Large frames through shared memory (:mod:`daskps._core.shared`): the largest area to offer (0:
+        # the socket alone), the region the server took, and the most bytes of large frames a message held.
+        self.shared_bytes = shared_bytes
+        self._region: shared.Region | None = None
+        self._want = 0
 
     def connect(self) -> socket.socket:
         """The open connection to the server, opened now if there is none (it opens at first use)."""
@@ -63,9 +70,12 @@ class Channel:
 
     def send(self, ops: Sequence[object], by_value: bool = False) -> None:
         started = trace.now() if trace.ON else 0.0
-        parts = wire.framed(wire.pack_grouped(ops, by_value))
+        parts = wire.pack_grouped(ops, by_value)
         try:
-            _send_all(self.connect(), [memoryview(p).cast("B") for p in parts])
+            sock = self.connect()
+            if self.shared_bytes:
+                self._offer_region(sock, parts)
+            _send_all(sock, shared.place(parts, None if self._region is None else self._region.requests))
             if trace.ON:
                 trace.span("send", started)
         except OSError as exc:
@@ -82,8 +92,13 @@ class Channel:
             started = trace.now() if trace.ON else 0.0
             count = wire.COUNT.unpack(receive_exactly(sock, 8))[0]
             arrived = trace.now() if trace.ON else 0.0
-            sizes = struct.unpack(f"!{count}Q", receive_exactly(sock, 8 * count))
-            status, value = wire.unpack_grouped([receive_exactly(sock, n) for n in sizes])
+            lengths = struct.unpack(f"!{count}Q", receive_exactly(sock, 8 * count))
+            region = self._region
+            frames = shared.read(lengths, None if region is None else region.answers,
+                                 lambda n: receive_exactly(sock, n))
+            if self.shared_bytes:
+                self._want = max(self._want, shared.large(lengths))
+            status, value = wire.unpack_grouped(frames)
             if trace.ON:
                 trace.span("wait", started, arrived)
                 trace.span("receive", arrived)
@@ -99,8 +114,46 @@ class Channel:
 
     def close(self) -> None:
         sock, self._sock = self._sock, None  # cleared first: a thread that looks next finds no socket
+        region, self._region = self._region, None  # the server's end unmaps its own as the connection ends
         if sock is not None:
             sock.close()
+        if region is not None:
+            region.close()
+
+    def _offer_region(self, sock: socket.socket, parts: list) -> None:
+        """Offer the server a shared region (a larger one than it has) when this message's large frames, or
+        an answer's before, would not fit the one in use. Refused, or not possible here: the socket alone
+        from then on."""
+        need = max(self._want, shared.large([memoryview(p).nbytes for p in parts]))
+        if not need:
+            return
+        area = shared.area_for(need, self.shared_bytes)
+        if area < shared.MIN_FRAME or (self._region is not None and area <= self._region.area):
+            return
+        made = shared.create(area)
+        if made is None:
+            self.shared_bytes = 0
+            return
+        region, path, token = made
+        try:
+            offer = pickle.dumps((path, token, area))
+            _send_all(sock, [memoryview(wire.COUNT.pack(shared.ATTACH | 1) + wire.COUNT.pack(len(offer))),
+                             memoryview(offer)])
+            count = wire.COUNT.unpack(receive_exactly(sock, 8))[0]
+            lengths = struct.unpack(f"!{count}Q", receive_exactly(sock, 8 * count))
+            taken = wire.unpack_grouped([receive_exactly(sock, n) for n in lengths]) == ("ok", True)
+        except BaseException:
+            region.close()
+            raise
+        finally:
+            os.unlink(path)  # both ends have it mapped (or the server never will): the file has done its part
+        if taken:
+            old, self._region = self._region, region
+            if old is not None:
+                old.close()
+        else:  # another machine, or another /dev/shm: the server's end cannot open it
+            region.close()
+            self.shared_bytes = 0
 
     def close_if_dead(self) -> bool:
         """Close the connection if its server has closed it (checked without waiting); whether it did.

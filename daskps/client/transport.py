@@ -30,6 +30,7 @@ from distributed.core import send_recv
 from distributed.utils import sync
 from distributed.worker import get_worker
 
+from daskps._core.config import setting
 from daskps.client import channel
 from daskps.client.routing import ROUTES, ServerRef, connect_timeout
 from daskps.client.worker_state import part_on
@@ -230,7 +231,8 @@ class Channels:
         found = self.open.get(key)
         if found is None:
             channel.prune(self.open)  # a new server: a good moment to drop channels to servers gone
-            found = self.open.setdefault(key, channel.Channel(str(server.channel), connect_timeout()))
+            found = self.open.setdefault(key, channel.Channel(str(server.channel), connect_timeout(),
+                                                                      setting("channel_shared_memory")))
         return found
 
     def forget(self, servers: Sequence[ServerRef]) -> None:

@@ -17,6 +17,7 @@ the worker's own comms and heartbeats.
 from __future__ import annotations
 
 import asyncio
+import pickle
 import socket
 import struct
 import threading
@@ -24,7 +25,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from daskps._core import trace, wire
+from daskps._core import shared, trace, wire
 
 _MAX_PARTS = 512  # buffers per sendmsg (the system's limit is 1024 or more)
 
@@ -104,13 +105,21 @@ def _shut(conn: socket.socket) -> None:
 def _serve(conn: socket.socket, ref: weakref.ref, alive: Callable[[], bool], lock: threading.Lock,
            connections: set[socket.socket], guard: threading.Lock) -> None:
     """One caller's connection, in its own thread: each request read whole, run, answered, in order."""
+    region: shared.Region | None = None  # shared memory the caller offered (:mod:`daskps._core.shared`)
+
+    def receive(n: int) -> bytearray:
+        return wire.receive_exactly(conn, n)
+
     try:
         while True:
             # Ends (ConnectionResetError) once the caller closes it, or the channel does.
-            count = wire.COUNT.unpack(wire.receive_exactly(conn, 8))[0]
+            count = wire.COUNT.unpack(receive(8))[0]
             arriving = trace.now() if trace.ON else 0.0
-            sizes = struct.unpack(f"!{count}Q", wire.receive_exactly(conn, 8 * count))
-            frames = [wire.receive_exactly(conn, n) for n in sizes]
+            if count & shared.ATTACH:
+                region = _attach(conn, count & ~shared.ATTACH, region)
+                continue
+            lengths = struct.unpack(f"!{count}Q", receive(8 * count))
+            frames = shared.read(lengths, None if region is None else region.requests, receive)
             server = ref()
             if server is None or not alive():  # the actor, or its worker, is gone
                 return
@@ -126,7 +135,7 @@ def _serve(conn: socket.socket, ref: weakref.ref, alive: Callable[[], bool], loc
                     executed = trace.now()
                     trace.span("read in", arriving, started)
                     trace.span("execute", started, executed)
-                rest = _send_now(conn, wire.framed(wire.pack_answer(answer)))
+                rest = _send_now(conn, shared.place(wire.pack_answer(answer), None if region is None else region.answers))
                 del answer
             if rest:  # what the socket would not take at once, sent outside the lock (a copy)
                 conn.sendall(rest)
@@ -138,6 +147,26 @@ def _serve(conn: socket.socket, ref: weakref.ref, alive: Callable[[], bool], loc
         with guard:
             connections.discard(conn)
         conn.close()
+        if region is not None:
+            region.close()
+
+
+def _attach(conn: socket.socket, count: int, region: shared.Region | None) -> shared.Region | None:
+    """Take the shared region the caller offers (its path, token and area size), answering whether this
+    process could map it; the region the connection uses from now on."""
+    lengths = struct.unpack(f"!{count}Q", wire.receive_exactly(conn, 8 * count))
+    frames = [wire.receive_exactly(conn, n) for n in lengths]
+    try:
+        path, token, area = pickle.loads(frames[0])
+        offered = shared.attach(str(path), bytes(token), int(area))
+    except Exception:  # not an offer this end understands: the socket alone
+        offered = None
+    conn.sendall(b"".join(shared.place(wire.pack_answer(("ok", offered is not None)), None)))
+    if offered is None:
+        return region
+    if region is not None:
+        region.close()
+    return offered
 
 
 def _send_now(conn: socket.socket, parts: list) -> bytes:

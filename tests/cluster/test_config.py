@@ -32,6 +32,7 @@ EXPECTED = {
     "daskps.progress-bytes": 256 * 2**20,
     "daskps.large-variable-elements": 1e9,
     "daskps.worker-mmap-threshold": "32MiB",
+    "daskps.channel-shared-memory": "16MiB",  # new with shared memory beside the direct channels
     "daskps.data.shuffle-buffer-rows": 10_000,
 }
 
@@ -72,7 +73,8 @@ def test_the_settings_convert_the_defaults():
         "max_batch": 256, "function_cache_size": 64, "connect_timeout": 5.0, "scheduler_timeout": 10.0,
         "workers_timeout": 60.0, "recovery_timeout": 60.0, "recovery_same_worker_wait": 10.0,
         "metrics_interval": 1.0, "display_timeout": 1.0, "progress_bar": "auto", "progress_bytes": 256 * 2**20,
-        "large_variable_elements": 1e9, "worker_mmap_threshold": 32 * 2**20, "data_shuffle_buffer_rows": 10_000}
+        "large_variable_elements": 1e9, "worker_mmap_threshold": 32 * 2**20, "channel_shared_memory": 16 * 2**20,
+        "data_shuffle_buffer_rows": 10_000}
     with dask.config.set({"daskps.max-batch": "7", "daskps.connect-timeout": 2, "daskps.metrics-interval": "250ms"}):
         got = settings()
         assert (got.max_batch, got.connect_timeout, got.metrics_interval) == (7, 2.0, 0.25)
@@ -92,6 +94,9 @@ def test_the_settings_convert_the_defaults():
     ("progress_bytes", 0, "daskps.progress-bytes must be a positive number, got 0"),
     ("large_variable_elements", "lots", "daskps.large-variable-elements must be a positive number, got 'lots'"),
     ("worker_mmap_threshold", "3GiB", "daskps.worker-mmap-threshold must be a size below 2 GiB"),
+    ("channel_shared_memory", "5GiB", "daskps.channel-shared-memory must be a size of at most 4 GiB"),
+    ("channel_shared_memory", -1, "daskps.channel-shared-memory must be a size of at most 4 GiB"),
+    ("channel_shared_memory", "plenty", "daskps.channel-shared-memory must be a size of at most 4 GiB"),
     ("data_shuffle_buffer_rows", 0, "daskps.data.shuffle-buffer-rows must be a whole number >= 1, got 0"),
 ])
 def test_a_bad_setting_is_refused_naming_its_key(field, bad, text):

@@ -1,6 +1,7 @@
 """Large replies over the direct channel (partial writev) arrive intact, also under concurrent readers."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -211,6 +212,10 @@ def test_a_traced_round_trip_records_each_hop_at_each_end_in_the_order_they_happ
         close()
         loop.call_soon_threadsafe(loop.stop)
         runner.join(5)
+    # The server records its write once the answer is out: maybe just after the caller has it.
+    deadline = time.monotonic() + 10
+    while "write" not in {hop for hop, _, _ in trace.collect(clear=False)} and time.monotonic() < deadline:
+        time.sleep(0.01)
     rows = trace.collect()
     spans = {hop: (start, end) for hop, start, end in rows}
     assert sorted(hop for hop, _, _ in rows) == sorted(["send", "wait", "receive", "read in", "execute", "write"])

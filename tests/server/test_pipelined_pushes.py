@@ -162,9 +162,9 @@ def test_channels_to_two_new_servers_are_opened_once(strategy, monkeypatch):
     made = []
     real_init = channel.Channel.__init__
 
-    def counting_init(self, address, timeout):
+    def counting_init(self, address, *args, **kwargs):
         made.append(address)
-        real_init(self, address, timeout)
+        real_init(self, address, *args, **kwargs)
 
     monkeypatch.setattr(channel.Channel, "__init__", counting_init)
     with strategy.scope():
