@@ -12,7 +12,8 @@ The caller of a channel makes the region (:func:`create`), offers it to the
 server in an attach message (its path, a random token written at its start,
 and the size of each area), and removes the file once the server answered:
 the mappings outlive it, and nothing is left in ``/dev/shm`` when either
-process ends. A server that cannot open the file (another machine, another
+process ends (a file whose maker was killed during that handshake is
+removed by the next process here that makes a region). A server that cannot open the file (another machine, another
 ``/dev/shm``) or finds another token says no, and the channel goes on with
 the socket alone.
 
@@ -26,8 +27,10 @@ request. A frame that does not fit travels on the socket.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+import stat
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -39,6 +42,7 @@ TOKEN = 16
 HEAD = 64  # the token, and the first area's alignment
 ALIGN = 64  # each frame starts at a multiple of this in its area
 DIRECTORY = "/dev/shm"
+PREFIX = "daskps-"  # a region's file: daskps-<pid of its maker>-<random>
 
 
 class Region:
@@ -68,11 +72,18 @@ def _map(fd: int, size: int) -> Any:
 
 def create(area: int) -> tuple[Region, str, bytes] | None:
     """A new region with two areas of ``area`` bytes, its file's path and its token; ``None`` when this
-    machine cannot make one (no ``/dev/shm``, or not room enough in it)."""
+    machine cannot make one (no ``/dev/shm``, or it would take more than half the room left there)."""
     if not hasattr(os, "posix_fallocate") or not os.path.isdir(DIRECTORY):
         return None
-    path = os.path.join(DIRECTORY, f"daskps-{os.getpid()}-{secrets.token_hex(8)}")
+    _sweep()
     size = HEAD + 2 * area
+    try:
+        room = os.statvfs(DIRECTORY)
+    except OSError:
+        return None
+    if size > room.f_bavail * room.f_frsize // 2:  # /dev/shm is shared with everything else on the machine
+        return None
+    path = os.path.join(DIRECTORY, f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     except OSError:
@@ -83,8 +94,11 @@ def create(area: int) -> tuple[Region, str, bytes] | None:
         os.posix_fallocate(fd, 0, size)
         mapping = _map(fd, size)
     except (OSError, ValueError):
-        os.unlink(path)
+        unlink(path)
         return None
+    except BaseException:  # an interrupt: no file left behind
+        unlink(path)
+        raise
     finally:
         os.close(fd)
     token = secrets.token_bytes(TOKEN)
@@ -92,18 +106,54 @@ def create(area: int) -> tuple[Region, str, bytes] | None:
     return Region(mapping, area), path, token
 
 
+def unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):  # removed already (a cleaner of /dev/shm, say)
+        os.unlink(path)
+
+
+_SWEPT = False
+
+
+def _sweep() -> None:
+    """Remove the region files of this user's processes that have ended (once per process).
+
+    A region's file lives only for its handshake; a process killed in that
+    moment leaves it, and the next process here to make a region removes it.
+    """
+    global _SWEPT
+    if _SWEPT:
+        return
+    _SWEPT = True
+    uid = os.getuid()
+    for name in os.listdir(DIRECTORY):
+        if not name.startswith(PREFIX):
+            continue
+        pid = name[len(PREFIX):].split("-", 1)[0]
+        path = os.path.join(DIRECTORY, name)
+        try:
+            if not pid.isdigit() or os.stat(path, follow_symlinks=False).st_uid != uid:
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:  # its maker has ended
+            unlink(path)
+        except OSError:  # alive under another user, or gone already
+            continue
+
+
 def attach(path: str, token: bytes, area: int) -> Region | None:
     """The region a caller made at ``path``, mapped here; ``None`` if this process cannot open it, or it is
     not the one offered (another token, another size)."""
     size = HEAD + 2 * area
-    if not path.startswith(DIRECTORY + os.sep) or os.sep in path[len(DIRECTORY) + 1:]:
-        return None  # only a file directly in /dev/shm: a request cannot make the server open anything else
+    if not path.startswith(DIRECTORY + os.sep) or not os.path.basename(path).startswith(PREFIX) \
+            or os.sep in path[len(DIRECTORY) + 1:]:
+        return None  # only a region file directly in /dev/shm: a request cannot make the server open another
     try:
-        fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     except OSError:
         return None
     try:
-        if os.fstat(fd).st_size != size:
+        found = os.fstat(fd)
+        if not stat.S_ISREG(found.st_mode) or found.st_size != size:
             return None
         mapping = _map(fd, size)
     except (OSError, ValueError):
@@ -135,11 +185,6 @@ def place(parts: Sequence[Any], area: memoryview | None) -> list[memoryview]:
     return [memoryview(header), *on_socket]
 
 
-def large(lengths: Sequence[int]) -> int:
-    """Bytes of a message's frames large enough for the region, wherever they came."""
-    return sum(n & ~SHARED for n in lengths if n & ~SHARED >= MIN_FRAME)
-
-
 def read(lengths: Sequence[int], area: memoryview | None, receive: Any) -> list[Any]:
     """A message's frames: each marked :data:`SHARED` copied out of ``area`` (a buffer of its own), the
     others ``receive(n)`` from the socket, in order."""
@@ -157,9 +202,20 @@ def read(lengths: Sequence[int], area: memoryview | None, receive: Any) -> list[
 
 
 def area_for(needed: int, largest: int) -> int:
-    """The area to offer for large frames of ``needed`` bytes: a power of two of at least 1 MiB, at most
-    ``largest`` (frames beyond it take the socket)."""
+    """The area to offer for large frames of ``needed`` bytes (their padding counted): a power of two of
+    at least 1 MiB, at most ``largest`` rounded down to whole :data:`ALIGN` blocks (frames beyond it take the
+    socket)."""
     area = 1 << 20
-    while area < needed + ALIGN * 8:
+    while area < needed:
         area <<= 1
-    return min(area, largest)
+    return min(area, largest - largest % ALIGN)
+
+
+def need(lengths: Sequence[int]) -> int:
+    """Room a message's frames large enough for the region take there, padding included."""
+    total = 0
+    for n in lengths:
+        n &= ~SHARED
+        if n >= MIN_FRAME:
+            total += n + (-n) % ALIGN
+    return total

@@ -18,7 +18,6 @@ through Dask's comms there, encrypted.
 
 from __future__ import annotations
 
-import os
 import pickle
 import select
 import socket
@@ -97,7 +96,7 @@ class Channel:
             frames = shared.read(lengths, None if region is None else region.answers,
                                  lambda n: receive_exactly(sock, n))
             if self.shared_bytes:
-                self._want = max(self._want, shared.large(lengths))
+                self._want = max(self._want, shared.need(lengths))
             status, value = wire.unpack_grouped(frames)
             if trace.ON:
                 trace.span("wait", started, arrived)
@@ -120,41 +119,6 @@ class Channel:
         if region is not None:
             region.close()
 
-    def _offer_region(self, sock: socket.socket, parts: list) -> None:
-        """Offer the server a shared region (a larger one than it has) when this message's large frames, or
-        an answer's before, would not fit the one in use. Refused, or not possible here: the socket alone
-        from then on."""
-        need = max(self._want, shared.large([memoryview(p).nbytes for p in parts]))
-        if not need:
-            return
-        area = shared.area_for(need, self.shared_bytes)
-        if area < shared.MIN_FRAME or (self._region is not None and area <= self._region.area):
-            return
-        made = shared.create(area)
-        if made is None:
-            self.shared_bytes = 0
-            return
-        region, path, token = made
-        try:
-            offer = pickle.dumps((path, token, area))
-            _send_all(sock, [memoryview(wire.COUNT.pack(shared.ATTACH | 1) + wire.COUNT.pack(len(offer))),
-                             memoryview(offer)])
-            count = wire.COUNT.unpack(receive_exactly(sock, 8))[0]
-            lengths = struct.unpack(f"!{count}Q", receive_exactly(sock, 8 * count))
-            taken = wire.unpack_grouped([receive_exactly(sock, n) for n in lengths]) == ("ok", True)
-        except BaseException:
-            region.close()
-            raise
-        finally:
-            os.unlink(path)  # both ends have it mapped (or the server never will): the file has done its part
-        if taken:
-            old, self._region = self._region, region
-            if old is not None:
-                old.close()
-        else:  # another machine, or another /dev/shm: the server's end cannot open it
-            region.close()
-            self.shared_bytes = 0
-
     def close_if_dead(self) -> bool:
         """Close the connection if its server has closed it (checked without waiting); whether it did.
 
@@ -176,6 +140,40 @@ class Channel:
             return gone
         finally:
             self.lock.release()
+
+    def _offer_region(self, sock: socket.socket, parts: list) -> None:
+        """Offer the server a shared region (a larger one than it has) when this message's large frames, or
+        an answer's before, would not fit the one in use. Refused, or not possible here: the socket alone
+        from then on."""
+        need = max(self._want, shared.need([memoryview(p).nbytes for p in parts]))
+        if not need:
+            return
+        area = shared.area_for(need, self.shared_bytes)
+        if area < shared.MIN_FRAME or (self._region is not None and area <= self._region.area):
+            return
+        made = shared.create(area)
+        if made is None:
+            self.shared_bytes = 0
+            return
+        region, path, token = made
+        taken = False
+        try:
+            offer = pickle.dumps((path, token, area))
+            _send_all(sock, [memoryview(wire.COUNT.pack(shared.ATTACH | 1) + wire.COUNT.pack(len(offer))),
+                             memoryview(offer)])
+            count = wire.COUNT.unpack(receive_exactly(sock, 8))[0]
+            lengths = struct.unpack(f"!{count}Q", receive_exactly(sock, 8 * count))
+            taken = wire.unpack_grouped([receive_exactly(sock, n) for n in lengths]) == ("ok", True)
+        finally:
+            shared.unlink(path)  # both ends have it mapped (or the server never will): the file has done its part
+            if not taken:  # refused (another machine, another /dev/shm), or the handshake broke off
+                region.close()
+        if taken:
+            old, self._region = self._region, region
+            if old is not None:
+                old.close()
+        else:
+            self.shared_bytes = 0
 
 
 def prune(channels: dict[Any, Channel]) -> None:

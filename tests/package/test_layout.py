@@ -321,9 +321,9 @@ def outside(a, p):
         "from daskps.y import _hidden", "other._theirs", "a._mine", "getattr(a, '_x', None)", "hasattr(a, '_y')"]
 
 
-# Names that every kind of object has (containers, strings, files, futures): a call to one says
-# nothing about which layer's object it is.
-_COMMON = set().union(*(dir(t) for t in (dict, list, set, str, bytes, object, type(None))),
+# Names that every kind of object has (containers, strings, buffers, files, futures): a call to one
+# says nothing about which layer's object it is.
+_COMMON = set().union(*(dir(t) for t in (dict, list, set, str, bytes, memoryview, object, type(None))),
                       {"result", "exception", "done", "cancel", "read", "write", "flush", "close", "join",
                        "group", "wait", "get", "items", "values", "keys", "copy", "update", "index"})
 
