@@ -185,16 +185,25 @@ def place(parts: Sequence[Any], area: memoryview | None) -> list[memoryview]:
     return [memoryview(header), *on_socket]
 
 
-def read(lengths: Sequence[int], area: memoryview | None, receive: Any) -> list[Any]:
+def read(lengths: Sequence[int], area: memoryview | None, receive: Any, in_place: Any = None) -> list[Any]:
     """A message's frames: each marked :data:`SHARED` copied out of ``area`` (a buffer of its own), the
-    others ``receive(n)`` from the socket, in order."""
-    frames, offset = [], 0
+    others ``receive(n)`` from the socket, in order.
+
+    ``in_place(first frame)``, asked at the first shared frame: whether this message's shared frames
+    may be left in the area (views of it) because nothing of the message outlives its handling, which
+    ends before the other end writes the area again.
+    """
+    frames: list[Any] = []
+    offset = 0
+    leave: bool | None = None
     for n in lengths:
         if n & SHARED:
             n &= ~SHARED
             if area is None or offset + n > area.nbytes:
                 raise ConnectionError("a frame was sent through shared memory that this end has not mapped")
-            frames.append(bytearray(area[offset:offset + n]))
+            if leave is None:
+                leave = bool(in_place is not None and frames and in_place(frames[0]))
+            frames.append(area[offset:offset + n] if leave else bytearray(area[offset:offset + n]))
             offset += n + (-n) % ALIGN
         else:
             frames.append(receive(n))

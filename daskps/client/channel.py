@@ -28,6 +28,7 @@ from typing import Any
 
 from daskps._core import shared, trace, wire
 from daskps._core.wire import receive_exactly
+from daskps.server import compact
 
 
 # -- the caller's end ----------------------------------------------------------------------------
@@ -51,6 +52,8 @@ class Channel:
         self.shared_bytes = shared_bytes
         self._region: shared.Region | None = None
         self._want = 0
+        # The strings each end has named to the other on this connection (:mod:`daskps.server.compact`).
+        self._names_out, self._names_in = compact.Names(), compact.Names()
 
     def connect(self) -> socket.socket:
         """The open connection to the server, opened now if there is none (it opens at first use)."""
@@ -69,7 +72,9 @@ class Channel:
 
     def send(self, ops: Sequence[object], by_value: bool = False) -> None:
         started = trace.now() if trace.ON else 0.0
-        parts = wire.pack_grouped(ops, by_value)
+        parts = None if by_value else compact.encode_request(ops, self._names_out)
+        if parts is None:
+            parts = wire.pack_grouped(ops, by_value)
         try:
             sock = self.connect()
             if self.shared_bytes:
@@ -97,7 +102,8 @@ class Channel:
                                  lambda n: receive_exactly(sock, n))
             if self.shared_bytes:
                 self._want = max(self._want, shared.need(lengths))
-            status, value = wire.unpack_grouped(frames)
+            status, value = (compact.decode(frames, self._names_in) if compact.is_compact(frames)
+                             else wire.unpack_grouped(frames))
             if trace.ON:
                 trace.span("wait", started, arrived)
                 trace.span("receive", arrived)
@@ -114,6 +120,7 @@ class Channel:
     def close(self) -> None:
         sock, self._sock = self._sock, None  # cleared first: a thread that looks next finds no socket
         region, self._region = self._region, None  # the server's end unmaps its own as the connection ends
+        self._names_out, self._names_in = compact.Names(), compact.Names()  # a new connection names anew
         if sock is not None:
             sock.close()
         if region is not None:

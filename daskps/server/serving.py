@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from daskps._core import shared, trace, wire
+from daskps.server import compact
 
 _MAX_PARTS = 512  # buffers per sendmsg (the system's limit is 1024 or more)
 
@@ -106,6 +107,7 @@ def _serve(conn: socket.socket, ref: weakref.ref, alive: Callable[[], bool], loc
            connections: set[socket.socket], guard: threading.Lock) -> None:
     """One caller's connection, in its own thread: each request read whole, run, answered, in order."""
     region: shared.Region | None = None  # shared memory the caller offered (:mod:`daskps._core.shared`)
+    names_in, names_out = compact.Names(), compact.Names()  # what each end has named on this connection
 
     def receive(n: int) -> bytearray:
         return wire.receive_exactly(conn, n)
@@ -119,7 +121,8 @@ def _serve(conn: socket.socket, ref: weakref.ref, alive: Callable[[], bool], loc
                 region = _attach(conn, count & ~shared.ATTACH, region)
                 continue
             lengths = struct.unpack(f"!{count}Q", receive(8 * count))
-            frames = shared.read(lengths, None if region is None else region.requests, receive)
+            # A compact message's arrays are gradients, spent by the time it is answered: read in place.
+            frames = shared.read(lengths, None if region is None else region.requests, receive, compact.is_lead)
             server = ref()
             if server is None or not alive():  # the actor, or its worker, is gone
                 return
@@ -127,7 +130,9 @@ def _serve(conn: socket.socket, ref: weakref.ref, alive: Callable[[], bool], loc
                 started = executed = trace.now() if trace.ON else 0.0
                 try:
                     # Reads may hand over the server's own arrays: they are sent, or copied, before the lock goes.
-                    answer: tuple = ("ok", server.execute(wire.unpack_grouped(frames), shared_reads=True))
+                    message = (compact.decode(frames, names_in) if compact.is_compact(frames)
+                               else wire.unpack_grouped(frames))
+                    answer: tuple = ("ok", server.execute(message, shared_reads=True))
                 except Exception as exc:
                     answer = ("error", exc)
                 del server
@@ -135,7 +140,8 @@ def _serve(conn: socket.socket, ref: weakref.ref, alive: Callable[[], bool], loc
                     executed = trace.now()
                     trace.span("read in", arriving, started)
                     trace.span("execute", started, executed)
-                rest = _send_now(conn, shared.place(wire.pack_answer(answer), None if region is None else region.answers))
+                parts = compact.encode_answer(answer, names_out) or wire.pack_answer(answer)
+                rest = _send_now(conn, shared.place(parts, None if region is None else region.answers))
                 del answer
             if rest:  # what the socket would not take at once, sent outside the lock (a copy)
                 conn.sendall(rest)

@@ -95,6 +95,7 @@ OFFERED = {
     "daskps.server.ops": "the operations a server runs, the tables they make, and the records it answers",
     "daskps.server.actor": "the class Dask starts as a server, and how its answers travel through Dask",
     "daskps.server.local": "the server of local variables, run in the caller's own process",
+    "daskps.server.compact": "a training step's operations and answers, encoded for a direct channel",
     "daskps.scheduler.messages": "the plugin's handlers, event topics, requests and answers",
     "daskps.trainer.messages": "the task a batch runs, and the dataset function from_dask stores",
 }

@@ -261,3 +261,20 @@ def test_a_region_file_left_by_a_killed_process_is_removed_by_the_next_process_t
         for path in (left, alive, other):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_a_channel_opened_again_names_its_keys_anew_to_the_new_connection(echo):
+    """Compact messages name each key once per connection (:mod:`daskps.server.compact`): after the
+    channel closes (as after an interrupt) its next connection must learn them again."""
+    from daskps.server import ops
+
+    ch = echo.channel(16 << 20)
+    grad = np.arange(50_000, dtype=np.float32)  # 200 KB: through the region once there is one
+    message = [ops.Isolate(1), ops.ApplyGradients("opt", [("w", "dense", grad)], None), ops.Read(["w"])]
+    for reopen in (False, False, True, False):
+        if reopen:
+            ch.close()
+        back = _round_trip(ch, message)
+        assert back[0] == ops.Isolate(1) and back[2] == ops.Read(["w"])
+        assert back[1].opt_key == "opt" and back[1].items[0][0] == "w"
+        np.testing.assert_array_equal(back[1].items[0][2], grad)
