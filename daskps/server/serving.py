@@ -132,9 +132,13 @@ def _serve(conn: socket.socket, ref: weakref.ref, alive: Callable[[], bool], loc
                     # Reads may hand over the server's own arrays: they are sent, or copied, before the lock goes.
                     message = (compact.decode(frames, names_in) if compact.is_compact(frames)
                                else wire.unpack_grouped(frames))
+                    frames = []
                     answer: tuple = ("ok", server.execute(message, shared_reads=True))
                 except Exception as exc:
                     answer = ("error", exc)
+                # Nothing of a message is kept until the next one: a value released meanwhile (a blob's
+                # bytes, say) gives its memory back now.
+                message, frames = None, []
                 del server
                 if trace.ON:
                     executed = trace.now()
@@ -142,9 +146,10 @@ def _serve(conn: socket.socket, ref: weakref.ref, alive: Callable[[], bool], loc
                     trace.span("execute", started, executed)
                 parts = compact.encode_answer(answer, names_out) or wire.pack_answer(answer)
                 rest = _send_now(conn, shared.place(parts, None if region is None else region.answers))
-                del answer
+                del answer, parts
             if rest:  # what the socket would not take at once, sent outside the lock (a copy)
                 conn.sendall(rest)
+                rest = b""
             if trace.ON:
                 trace.span("write", executed)
     except OSError:  # the caller went away mid-message, or the channel closed
