@@ -50,7 +50,7 @@ from daskps.trainer.datasets import PerWorkerValues, local_worker_index, running
 
 _LEAVING = frozenset({Status.closing_gracefully, Status.closing, Status.closed, Status.failed})
 # Functions finishing this close together are reported in one event.
-REPORT_EVERY = 0.05
+REPORT_EVERY = 0.02
 # Results up to this size ride in the event; bigger ones come back with the task.
 INLINE_BYTES = 64 << 10
 
