@@ -9,6 +9,7 @@ steps run and writes one speedscope/flamegraph file per role to ``DIR``.
     python benchmarks/profile_step.py --workload dense --steps 300
     python benchmarks/profile_step.py --workload dense --py-spy /tmp/prof
     python benchmarks/profile_step.py --workload dense --trace     # per-hop table of a step
+    python benchmarks/profile_step.py --workload dense --threads   # CPU per step of every thread
 
 With ``--trace`` every process records when each hop of the hot path started
 and ended (``daskps._core.trace``: a trainer's sends, waits, reads of the
