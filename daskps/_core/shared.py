@@ -28,6 +28,7 @@ request. A frame that does not fit travels on the socket.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import secrets
 import stat
@@ -64,12 +65,6 @@ class Region:
             pass
 
 
-def _map(fd: int, size: int) -> Any:
-    import mmap
-
-    return mmap.mmap(fd, size)
-
-
 def create(area: int) -> tuple[Region, str, bytes] | None:
     """A new region with two areas of ``area`` bytes, its file's path and its token; ``None`` when this
     machine cannot make one (no ``/dev/shm``, or it would take more than half the room left there)."""
@@ -92,7 +87,7 @@ def create(area: int) -> tuple[Region, str, bytes] | None:
         # Every page now: writing through a mapping past what a full /dev/shm holds would kill the process
         # (SIGBUS); allocated up front, a full one is an error here instead.
         os.posix_fallocate(fd, 0, size)
-        mapping = _map(fd, size)
+        mapping = mmap.mmap(fd, size)
     except (OSError, ValueError):
         unlink(path)
         return None
@@ -155,7 +150,7 @@ def attach(path: str, token: bytes, area: int) -> Region | None:
         found = os.fstat(fd)
         if not stat.S_ISREG(found.st_mode) or found.st_size != size:
             return None
-        mapping = _map(fd, size)
+        mapping = mmap.mmap(fd, size)
     except (OSError, ValueError):
         return None
     finally:

@@ -160,12 +160,6 @@ def unpack_grouped(message: list) -> Any:
 COUNT = struct.Struct("!Q")
 
 
-def framed(frames: list) -> list:
-    """``[count and sizes, *frames]``: a message as the other end reads it."""
-    sizes = [memoryview(f).nbytes for f in frames]
-    return [COUNT.pack(len(frames)) + struct.pack(f"!{len(frames)}Q", *sizes), *frames]
-
-
 def pack_answer(answer: tuple) -> list:
     try:
         return pack_grouped(answer)

@@ -168,9 +168,7 @@ class Channel:
             offer = pickle.dumps((path, token, area))
             _send_all(sock, [memoryview(wire.COUNT.pack(shared.ATTACH | 1) + wire.COUNT.pack(len(offer))),
                              memoryview(offer)])
-            count = wire.COUNT.unpack(receive_exactly(sock, 8))[0]
-            lengths = struct.unpack(f"!{count}Q", receive_exactly(sock, 8 * count))
-            taken = wire.unpack_grouped([receive_exactly(sock, n) for n in lengths]) == ("ok", True)
+            taken = self.receive() is True
         finally:
             shared.unlink(path)  # both ends have it mapped (or the server never will): the file has done its part
             if not taken:  # refused (another machine, another /dev/shm), or the handshake broke off

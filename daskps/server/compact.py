@@ -32,12 +32,12 @@ from typing import Any
 
 import numpy as np
 
+from daskps._core.wire import ALIGN  # each small array starts at a multiple of it in the shared frame
 from daskps.server import ops
 
 REQUEST, ANSWER = 1, 2
 _ISOLATE, _APPLY, _READ = 1, 2, 3
 LARGE = 64 << 10  # arrays this big travel as frames of their own (through shared memory, where there is some)
-ALIGN = 16  # each small array starts at a multiple of this in the shared frame
 
 
 class Names:

@@ -117,12 +117,13 @@ def _serve(conn: socket.socket, ref: weakref.ref, alive: Callable[[], bool], loc
             # Ends (ConnectionResetError) once the caller closes it, or the channel does.
             count = wire.COUNT.unpack(receive(8))[0]
             arriving = trace.now() if trace.ON else 0.0
-            if count & shared.ATTACH:
-                region = _attach(conn, count & ~shared.ATTACH, region)
-                continue
+            offer, count = count & shared.ATTACH, count & ~shared.ATTACH
             lengths = struct.unpack(f"!{count}Q", receive(8 * count))
             # A compact message's arrays are gradients, spent by the time it is answered: read in place.
             frames = shared.read(lengths, None if region is None else region.requests, receive, compact.is_lead)
+            if offer:
+                region = _attach(conn, frames, region)
+                continue
             server = ref()
             if server is None or not alive():  # the actor, or its worker, is gone
                 return
@@ -132,7 +133,6 @@ def _serve(conn: socket.socket, ref: weakref.ref, alive: Callable[[], bool], loc
                     # Reads may hand over the server's own arrays: they are sent, or copied, before the lock goes.
                     message = (compact.decode(frames, names_in) if compact.is_compact(frames)
                                else wire.unpack_grouped(frames))
-                    frames = []
                     answer: tuple = ("ok", server.execute(message, shared_reads=True))
                 except Exception as exc:
                     answer = ("error", exc)
@@ -162,11 +162,9 @@ def _serve(conn: socket.socket, ref: weakref.ref, alive: Callable[[], bool], loc
             region.close()
 
 
-def _attach(conn: socket.socket, count: int, region: shared.Region | None) -> shared.Region | None:
+def _attach(conn: socket.socket, frames: list, region: shared.Region | None) -> shared.Region | None:
     """Take the shared region the caller offers (its path, token and area size), answering whether this
     process could map it; the region the connection uses from now on."""
-    lengths = struct.unpack(f"!{count}Q", wire.receive_exactly(conn, 8 * count))
-    frames = [wire.receive_exactly(conn, n) for n in lengths]
     try:
         path, token, area = pickle.loads(frames[0])
         offered = shared.attach(str(path), bytes(token), int(area))

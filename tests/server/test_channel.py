@@ -152,13 +152,13 @@ def test_a_caller_that_connected_as_the_server_closed_is_answered_or_closed_neve
     import asyncio
     import socket
 
-    from daskps._core import wire
+    from daskps._core import shared, wire
     from daskps.server import serving
 
     loop = asyncio.new_event_loop()
     runner = threading.Thread(target=loop.run_forever, daemon=True)
     runner.start()
-    request = b"".join(bytes(p) for p in wire.framed(wire.pack_grouped([("read",)], False)))
+    request = b"".join(bytes(p) for p in shared.place(wire.pack_grouped([("read",)], False), None))
     outcomes = {"answered": 0, "closed": 0, "waiting": 0}
     try:
         for _ in range(300):  # the old listener left about one in 30 of these waiting
