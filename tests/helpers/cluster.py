@@ -152,8 +152,14 @@ def start_dask_scheduler(tmp_path, procs: list, env, args=()) -> str:
     sched_file = tmp_path / "scheduler.json"
     procs.append(_start(["distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", "0",
                          "--dashboard-address", "127.0.0.1:0", "--scheduler-file", str(sched_file), *args], env))
-    wait_until(sched_file.exists, 60, failure="dask scheduler did not start", collect=False)
-    return json.loads(sched_file.read_text())["address"]
+
+    def address() -> str | None:  # the file appears before Dask has written it: wait for the whole of it
+        try:
+            return json.loads(sched_file.read_text())["address"]
+        except (OSError, ValueError, KeyError):
+            return None
+
+    return wait_until(address, 60, failure="dask scheduler did not start", collect=False)
 
 
 @contextlib.contextmanager
