@@ -9,7 +9,10 @@ import sys
 from daskps.demo import INPUTS, JAX_MISSING, KERAS_MISSING, MODELS, DemoConfig, run_demo
 from daskps.ui.tensorboard import TENSORBOARD_MISSING
 
-RESUMED_SLACK = 0.01  # test log-loss a resumed run may end above its start and still exit 0
+# Test log-loss a resumed run may end above its start and still exit 0. At the plateau one epoch moves it by
+# about 0.006 either way (standard deviation, measured over runs with a server killed in the epoch); 0.03 is
+# five of those, and still well short of what a bad restore costs (the untrained model is at 0.69).
+RESUMED_SLACK = 0.03
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,8 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     # Exit 1 when training made the model worse. A fresh run must improve on its start; a resumed one
     # starts near the plateau, where asynchronous training moves the test loss by a few thousandths
     # either way, so it may end up to RESUMED_SLACK above where it started.
-    learned = result["epochs_trained"] == 0 or result["log_loss"] < result["start_log_loss"] + (
-        RESUMED_SLACK if result["resumed_from"] is not None else 0.0)
+    if result["epochs_trained"] == 0:
+        return 0
+    slack = RESUMED_SLACK if result["resumed_from"] is not None else 0.0
+    learned = result["log_loss"] < result["start_log_loss"] + slack
+    if not learned:
+        allowed = f" + {slack}" if slack else ""
+        print(f"daskps demo: exit 1, as training made the model worse: test log-loss {result['log_loss']:.4f} "
+              f"at the end, against {result['start_log_loss']:.4f}{allowed} before it", file=sys.stderr)
     return 0 if learned else 1
 
 

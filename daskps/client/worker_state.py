@@ -15,15 +15,13 @@ which stops glibc from raising the mmap threshold as it would, so every
 array above 128 KiB (a gradient, a value read, a message buffer) was a
 fresh ``mmap``, faulted in page by page and unmapped when freed: a step of
 the dense benchmark spent about a third of its trainer's time outside the
-model that way. A worker keeps up to 64 MiB of freed heap instead.
+model that way. A worker keeps up to 64 MiB of freed heap instead
+(:mod:`daskps._core.heap`; a parameter server trims it after large drops).
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
-import sys
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -31,6 +29,7 @@ from typing import Any, TypeVar
 from distributed.core import Status
 from distributed.diagnostics.plugin import WorkerPlugin
 
+from daskps._core import heap
 from daskps._core.config import checked, setting
 
 WORKER_PLUGIN_NAME = "daskps-worker"
@@ -66,9 +65,6 @@ class DaskPSWorkerPlugin(WorkerPlugin):
         if found is None:
             found = self.parts.setdefault(name, make(self.worker))
         return found
-
-
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # glibc's mallopt parameters
 
 
 class QuietHeartbeatAtClose(logging.Filter):
@@ -114,17 +110,7 @@ def set_mmap_threshold(threshold: object) -> bool:
     threads' arenas, never given back. Returns whether it was set: not for
     ``0``, nor where the C library is not glibc.
     """
-    size = mmap_threshold(threshold)
-    if size <= 0 or not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
-        return False
-    trim = min(2 * size, 2**31 - 1)
-    return (bool(mallopt(M_ARENA_MAX, ctypes.c_int(1))) and bool(mallopt(M_MMAP_THRESHOLD, ctypes.c_int(size)))
-            and bool(mallopt(M_TRIM_THRESHOLD, ctypes.c_int(trim))))
+    return heap.tune(mmap_threshold(threshold))
 
 
 def plugin_of(worker: Any) -> DaskPSWorkerPlugin:

@@ -32,7 +32,7 @@ from typing import Any, cast
 import fsspec
 import numpy as np
 
-from daskps._core import transforms
+from daskps._core import heap, transforms
 from daskps._core.bags import BagGrad, BagMemory, BagRead, check_bags, check_max_norm, unclip
 from daskps._core.ckpt_io import Written
 from daskps._core.updates import Refused
@@ -87,6 +87,8 @@ class ParameterServer:
         self.table_reads: Counter[str] = Counter()  # by table key: reads and updates of each shard
         self.table_updates: Counter[str] = Counter()
         self._shared_reads = False
+        self._dropped = 0  # bytes dropped since the heap was last trimmed
+        self._trim_pending = False
         self.calls: Counter[str] = Counter()
         self.started = time.time()
 
@@ -128,6 +130,10 @@ class ParameterServer:
             if outcomes and len(results) > outcomes:  # the isolated operations ran: say how each went
                 raise PartlyAppliedError(sendable(exc), results[1 : 1 + outcomes]) from None
             raise
+        finally:
+            if self._trim_pending:  # what the message dropped is freed by now
+                self._trim_pending = False
+                heap.trim()
         return results
 
     def _where(self) -> str:
@@ -183,12 +189,23 @@ class ParameterServer:
 
     def _drop(self, key: str) -> None:
         del self._holders[key]
-        self._blobs.pop(key, None)
-        if self._tables.pop(key, None) is not None:
+        blob = self._blobs.pop(key, None)
+        freed = 0 if blob is None else len(blob)
+        table = self._tables.pop(key, None)
+        if table is not None:
+            freed += table.nbytes() + table.slot_nbytes()
             self._bags.drop_table(key)
         if self._optimizers.pop(key, None) is not None:
             for table in self._tables.values():
-                table.slots.pop(key, None)
+                before = table.slot_nbytes()
+                if table.slots.pop(key, None) is not None:
+                    freed += before - table.slot_nbytes()
+        # Freed blocks in the middle of the heap stay with the process (:mod:`daskps._core.heap`): after a
+        # large drop (a model deleted, a trainer's tables gone with it), give their pages back.
+        self._dropped += freed
+        if self._dropped >= heap.TRIM_AFTER:
+            self._dropped = 0
+            self._trim_pending = True
 
     # -- creation -------------------------------------------------------------------
     def create(self, op: ops.Create) -> ops.Created:

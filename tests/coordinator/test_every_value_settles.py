@@ -359,14 +359,13 @@ def _interrupt(*_):
     raise KeyboardInterrupt
 
 
-def _busy(path, seconds):
-    """On a worker's event loop (``client.run``): say so, block it, then say it is over."""
-    open(path, "w").close()
-    time.sleep(seconds)
-    open(path + ".over", "w").close()
+def _state(pid):
+    """A process's state letter from /proc ("T" when stopped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
 
 
-def test_an_interrupted_read_leaves_the_channel_in_step(strategy, client, tmp_path, monkeypatch):
+def test_an_interrupted_read_leaves_the_channel_in_step(strategy, client, monkeypatch):
     from daskps.client import channel
 
     with strategy.scope():
@@ -391,31 +390,30 @@ def test_an_interrupted_read_leaves_the_channel_in_step(strategy, client, tmp_pa
 
     landed = {}
     monkeypatch.setattr(channel, "receive_exactly", receiving)
-    # Keep the server's event loop busy for 2 s (as a long operation would): the answer cannot come meanwhile.
-    flag = tmp_path / "busy"
-    busy = threading.Thread(target=client.run, args=(_busy, str(flag), 2.0), kwargs={"workers": [server.address]})
-    busy.start()
-    while not flag.exists():
-        time.sleep(0.01)
+    # The server's process is stopped (SIGSTOP) until the interrupt has landed: its channel thread answers
+    # without the event loop, so only a stopped process cannot answer meanwhile.
+    pid = client.run(os.getpid, workers=[server.address])[server.address]
 
     def interrupt():
         if waiting.wait(30):
-            landed["server busy"] = not (tmp_path / "busy.over").exists()
+            landed["server stopped"] = _state(pid) == "T"
             os.kill(os.getpid(), signal.SIGUSR1)
 
     old = signal.signal(signal.SIGUSR1, _interrupt)
     timer = threading.Thread(target=interrupt, daemon=True)
+    os.kill(pid, signal.SIGSTOP)
     try:
         timer.start()
         with pytest.raises(KeyboardInterrupt):  # Ctrl-C in a notebook during a read
             a.numpy()
             time.sleep(5)  # a read that returned (no interrupt landed in it): the interrupt must still come
     finally:
+        os.kill(pid, signal.SIGCONT)  # it answers a's read now, to a connection the channel has closed
         timer.join(30)
         signal.signal(signal.SIGUSR1, old)
     monkeypatch.undo()
-    busy.join()
-    assert landed == {"server busy": True, "in the read": True}, f"the interrupt did not land while a's answer was awaited: {landed}"
+    assert landed == {"server stopped": True, "in the read": True}, \
+        f"the interrupt did not land while a's answer was awaited: {landed}"
     got = b.numpy().tolist()
     assert got == expect_b, f"b.numpy() returned {got} (a's stale answer), not {expect_b}"
 

@@ -87,6 +87,25 @@ def test_demo_without_jax_names_the_extra(monkeypatch, capsys):
     assert exit_.value.code == 2 and 'pip install ".[jax]" in the daskps checkout' in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("resumed, start, end, code", [
+    (None, 0.69, 0.45, 0), (None, 0.45, 0.46, 1),  # a first run must lower the test loss
+    ("ckpt-10", 0.448, 0.470, 0), ("ckpt-10", 0.448, 0.480, 1),  # a resumed one may rise by under 0.03
+])
+def test_the_demo_exits_1_and_says_why_when_training_made_the_model_worse(monkeypatch, capsys, resumed, start,
+                                                                          end, code):
+    import daskps.cli as cli
+
+    result = {"epochs_trained": 1, "resumed_from": resumed, "start_log_loss": start, "log_loss": end}
+    monkeypatch.setattr(cli, "run_demo", lambda config: result)  # the exit code's rule, with no training
+    assert cli.main(["demo"]) == code
+    err = capsys.readouterr().err
+    if code:
+        limit = f"{start:.4f}" + (" + 0.03" if resumed else "")
+        assert f"made the model worse: test log-loss {end:.4f} at the end, against {limit} before it" in err
+    else:
+        assert "worse" not in err
+
+
 def test_demo_rejects_an_unknown_model():
     with pytest.raises(ValueError, match="model must be one of 'numpy', 'jax', 'keras', got 'torch'"):
         run_demo(DemoConfig(model="torch"))
@@ -215,7 +234,7 @@ def test_the_readme_path_demo_then_more_epochs_then_a_kill(tmp_path):
 
     def demo(*args):
         out = subprocess.run([daskps, "demo", *args], cwd=tmp_path, capture_output=True, text=True, timeout=240)
-        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         return out.stdout + out.stderr
 
     first = demo()
