@@ -91,6 +91,8 @@ class ScalarLogger:
     coordinator's ``summary()`` counts, as the dashboard and ``/metrics``
     show them. Use it as a context manager,
     or call :meth:`start` and :meth:`stop`; stopping writes the last step.
+    A write at the step written last (with ``step=``, when no optimizer
+    step was taken since) is skipped: each step has one point.
     A metric that cannot be read is skipped with one warning: a log must
     not stop training.
     """
@@ -216,6 +218,11 @@ class ScalarLogger:
                 if not self._recovering():
                     raise  # lost for good: one warning (see _guarded)
                 return  # its server is being re-created: the next look writes
+            if self.steps and at == self.steps[-1]:
+                # The step has not moved since the last write (``step=`` counts optimizer steps, which can
+                # be all applied before the last functions' reports arrive): one point per step.
+                self._last = (step, now)
+                return
             if self.writer is not None:
                 for tag, value in scalars.items():
                     self.writer.add_scalar(tag, value, at)

@@ -295,6 +295,10 @@ def test_a_step_function_sets_the_step_written_and_the_plots_x(strategy, coordin
     assert ("seven", 7.0, 1008) in rows and {step for _, _, step in rows} == {1008}
     events = [e for _, e in strategy.client.get_events(METRICS_TOPIC) if e["strategy"] == strategy.token]
     assert events[-1]["step"] == 1008 and events[-1]["values"]["seven"] == 7.0
+    coordinator.schedule(lambda: None)  # a function completes, but no optimizer step is taken
+    coordinator.join()
+    logger.stop()  # it would write the last step: 1008 again
+    assert {step for _, _, step in rows} == {1008} and len(rows) == len(set(rows)), rows
     with pytest.raises(TypeError, match=r"step must be a function of no arguments returning the step .*got int"):
         dps.summary.ScalarLogger(coordinator, None, step=5)
 
