@@ -158,6 +158,9 @@ def unpack_grouped(message: list) -> Any:
 
 # -- a direct channel's messages: [8-byte count][8-byte length per frame][frames] ---------------------
 COUNT = struct.Struct("!Q")
+# A direct channel's address: ``host:port``, then this and the name of the server's local (Unix) socket
+# where it has one (:mod:`daskps.server.serving`, :mod:`daskps.client.channel`).
+LOCAL_SEP = "|"
 
 
 def pack_answer(answer: tuple) -> list:

@@ -1,7 +1,7 @@
 """The server's end of a direct channel (:mod:`daskps.client.channel` is the caller's).
 
-A parameter server's actor listens on its worker's host (port 0); the
-worker's event loop accepts connections, and each connection gets a thread
+A parameter server's actor listens on its worker's host (port 0), and on
+Linux on a local Unix socket too; the worker's event loop accepts connections, and each connection gets a thread
 of its own that reads requests
 (``[8-byte count][8-byte length per frame][frames]``, :mod:`daskps._core.wire`)
 with blocking calls, runs them on the server under the server's lock (one
@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+import secrets
 import socket
 import struct
+import sys
 import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 from daskps._core import shared, trace, wire
+from daskps._core.wire import LOCAL_SEP
 from daskps.server import compact
 
 _MAX_PARTS = 512  # buffers per sendmsg (the system's limit is 1024 or more)
@@ -34,9 +37,12 @@ _MAX_PARTS = 512  # buffers per sendmsg (the system's limit is 1024 or more)
 def open_channel(server: Any, host: str, loop: asyncio.AbstractEventLoop,
                  alive: Callable[[], bool] = lambda: True,
                  lock: threading.Lock | None = None) -> tuple[str, Callable[[], None]]:
-    """Listen for ``server`` on ``host`` (a free port), accepting from ``loop``; return ``host:port`` and a closer.
+    """Listen for ``server`` on ``host`` (a free port), accepting from ``loop``; return the address and a closer.
 
-    ``lock`` (a new one by default) is held while a message runs: pass the one
+    The address is ``host:port``; on Linux the server also listens on a Unix
+    socket under a random name in the abstract namespace, and the address is
+    ``host:port|name``: a caller on this machine connects there (half the
+    kernel's CPU per message of loopback TCP), any other over TCP. ``lock`` (a new one by default) is held while a message runs: pass the one
     the server's other callers take. Connections hold the server weakly: once
     Dask drops the actor, they close. So they do at the first request that
     finds ``alive()`` false (its worker closed, though this process and the
@@ -54,10 +60,15 @@ def open_channel(server: Any, host: str, loop: asyncio.AbstractEventLoop,
     # Here every accepted connection gets its thread, and one whose server is gone is closed at its first
     # request.
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.create_server((host, 0), family=family)
-    listener.setblocking(False)
+    listeners = [socket.create_server((host, 0), family=family)]
+    port = listeners[0].getsockname()[1]
+    local = _local_listener()
+    if local is not None:  # callers on this machine connect here (:func:`daskps.client.channel._connect_local`)
+        listeners.append(local[0])
+    for listener in listeners:
+        listener.setblocking(False)
 
-    def accept() -> None:
+    def accept(listener: socket.socket) -> None:
         while True:
             try:
                 conn, _ = listener.accept()
@@ -69,14 +80,16 @@ def open_channel(server: Any, host: str, loop: asyncio.AbstractEventLoop,
                     continue
                 connections.add(conn)
             conn.setblocking(True)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if conn.family != _UNIX:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=_serve, args=(conn, ref, alive, lock, connections, guard),
-                             name=f"daskps-channel-{listener.getsockname()[1]}", daemon=True).start()
+                             name=f"daskps-channel-{port}", daemon=True).start()
 
     def close_all() -> None:
         nonlocal closed
-        loop.remove_reader(listener.fileno())
-        listener.close()  # connections still waiting to be accepted are refused
+        for listener in listeners:
+            loop.remove_reader(listener.fileno())
+            listener.close()  # connections still waiting to be accepted are refused
         with guard:
             closed = True
             for conn in list(connections):
@@ -86,14 +99,36 @@ def open_channel(server: Any, host: str, loop: asyncio.AbstractEventLoop,
         try:
             loop.call_soon_threadsafe(close_all)
         except RuntimeError:  # the loop is closed: so is everything on it
-            listener.close()
+            for listener in listeners:
+                listener.close()
             with guard:
                 for conn in list(connections):
                     _shut(conn)
 
-    port = listener.getsockname()[1]
-    loop.call_soon_threadsafe(loop.add_reader, listener.fileno(), accept)
-    return f"{host}:{port}", close
+    for listener in listeners:
+        loop.call_soon_threadsafe(loop.add_reader, listener.fileno(), accept, listener)
+    address = f"{host}:{port}"
+    return (address if local is None else f"{address}{LOCAL_SEP}{local[1]}"), close
+
+
+_UNIX = getattr(socket, "AF_UNIX", None)
+
+
+def _local_listener() -> tuple[socket.socket, str] | None:
+    """A listening Unix socket in Linux' abstract namespace (no file to clean up) under a random name, and
+    the name; ``None`` elsewhere. The name is random so that no other server, on this machine or on one
+    whose caller looks it up in its own namespace, can be reached by mistake."""
+    if _UNIX is None or not sys.platform.startswith("linux"):
+        return None
+    name = f"daskps-{secrets.token_hex(16)}"
+    sock = socket.socket(_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind("\0" + name)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        return None
+    return sock, name
 
 
 def _shut(conn: socket.socket) -> None:

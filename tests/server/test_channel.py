@@ -144,7 +144,8 @@ class _Answers:
         return ["answered"]
 
 
-def test_a_caller_that_connected_as_the_server_closed_is_answered_or_closed_never_left_waiting():
+@pytest.mark.parametrize("over", ["tcp", "local"])
+def test_a_caller_that_connected_as_the_server_closed_is_answered_or_closed_never_left_waiting(over):
     """A caller that connected just as the server's listener closed (its actor dropped) and then sends a
     request gets an answer or a closed connection at once. asyncio's own server dropped a connection it had
     accepted just before closing, unclosed: the caller waited about a minute, until the garbage collector
@@ -164,8 +165,13 @@ def test_a_caller_that_connected_as_the_server_closed_is_answered_or_closed_neve
         for _ in range(300):  # the old listener left about one in 30 of these waiting
             server = _Answers()
             address, close = serving.open_channel(server, "127.0.0.1", loop)
-            host, port = address.rsplit(":", 1)
-            caller = socket.create_connection((host, int(port)))
+            tcp, _, local = address.partition("|")
+            if over == "tcp":
+                host, port = tcp.rsplit(":", 1)
+                caller = socket.create_connection((host, int(port)))
+            else:  # the server's Unix socket, in Linux' abstract namespace
+                caller = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                caller.connect("\0" + local)
             closer = threading.Thread(target=close)  # as the caller's connection is being accepted
             closer.start()
             caller.settimeout(5)
