@@ -1,0 +1,222 @@
+"""How daskps' costs grow with the number of trainers and servers (issue 44): a scale harness.
+
+Runs N simulated trainers and M servers on this machine: a ``dask scheduler`` process of its own, the
+servers and trainers as Dask workers several to a process (``_scale_host.py``: one event loop, one
+thread per worker), and the coordinator in this process. Each scheduled function reads a 64-float
+variable, pushes a gradient to it and spins for ``--work-us`` microseconds (the variables are spread
+over the servers). For each (N, M) it reports:
+
+- functions per second, over ``--functions-per-trainer`` x N functions (at least 1,000);
+- CPU per function of the coordinator (this process) and of the scheduler, less what each costs
+  idle over the same time (measured first, with nothing scheduled), and of the trainers' and the
+  servers' processes together (their idle cost subtracted too);
+- the scheduler's task transitions and events per function (what flows through it);
+- the coordinator's and the scheduler's resident memory;
+- seconds for ``ParameterServerStrategy(client)`` to start and for ``strategy.close()``.
+
+    python benchmarks/bench_scale.py --trainers 8,32,128,512 --servers 2,8 --plot benchmarks/scale.png
+
+Everything listens on 127.0.0.1, ports chosen by the system.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import psutil
+from distributed import Client
+
+import daskps as dps
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TRAINERS_PER_HOST = 64
+SERVERS_PER_HOST = 8
+
+
+def _spin(us: float) -> None:
+    end = time.perf_counter() + us * 1e-6
+    while time.perf_counter() < end:
+        pass
+
+
+class Cluster:
+    """A ``dask scheduler`` and hosts of simulated workers, started here and stopped on exit."""
+
+    def __init__(self, trainers: int, servers: int, tmp: str):
+        self.tmp = tmp
+        self.procs: list[subprocess.Popen] = []
+        sched_file = os.path.join(tmp, "scheduler.json")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
+        self.scheduler = self._start([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
+                                      "--port", "0", "--dashboard-address", "127.0.0.1:0",
+                                      "--scheduler-file", sched_file], env)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with open(sched_file) as f:
+                    json.load(f)
+                break
+            except (OSError, ValueError):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("dask scheduler did not start") from None
+                time.sleep(0.1)
+        self.sched_file = sched_file
+        self.hosts: dict[str, list[psutil.Process]] = {"ps": [], "worker": []}
+        for role, total, per in (("ps", servers, SERVERS_PER_HOST), ("worker", trainers, TRAINERS_PER_HOST)):
+            for first in range(0, total, per):
+                count = min(per, total - first)
+                proc = self._start([sys.executable, os.path.join(HERE, "_scale_host.py"), sched_file, role,
+                                    str(first), str(count)], env, stdout=subprocess.PIPE)
+                self.hosts[role].append(psutil.Process(proc.pid))
+        for proc in self.procs[1:]:
+            line = proc.stdout.readline()
+            if b"ready" not in line:
+                raise RuntimeError(f"a host of workers did not start: {line!r}")
+
+    def _start(self, cmd: list[str], env: dict, stdout=None) -> subprocess.Popen:
+        proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=open(os.path.join(self.tmp, f"{len(self.procs)}.log"), "w"))
+        self.procs.append(proc)
+        return proc
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _cpu(procs: list[psutil.Process]) -> float:
+    total = 0.0
+    for p in procs:
+        t = p.cpu_times()
+        total += t.user + t.system
+    return total
+
+
+def measure(trainers: int, servers: int, per_trainer: int, work_us: float, idle_s: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix="daskps-scale-") as tmp:
+        cluster = Cluster(trainers, servers, tmp)
+        try:
+            with Client(scheduler_file=cluster.sched_file) as client:
+                t0 = time.perf_counter()
+                strategy = dps.ParameterServerStrategy(client)
+                started = time.perf_counter() - t0
+                coordinator = dps.ClusterCoordinator(strategy)
+                with strategy.scope():
+                    vs = [dps.Variable(np.zeros(64, np.float32), name=f"scale_{i}") for i in range(servers)]
+                    opt = dps.optimizers.SGD(0.01)
+                grad = np.full(64, 0.001, np.float32)
+
+                def step(i):
+                    v = vs[i % len(vs)]
+                    v.read_value()
+                    opt.apply_gradients([(grad, v)])
+                    _spin(work_us)
+
+                for i in range(2 * trainers):  # every trainer has run something: imports, connections
+                    coordinator.schedule(step, args=(i,))
+                coordinator.join()
+                me = [psutil.Process()]
+                sched = [psutil.Process(cluster.scheduler.pid)]
+                groups = {"coordinator": me, "scheduler": sched, "trainers": cluster.hosts["worker"],
+                          "servers": cluster.hosts["ps"]}
+                before = {k: _cpu(p) for k, p in groups.items()}
+                time.sleep(idle_s)
+                idle = {k: (_cpu(p) - before[k]) / idle_s for k, p in groups.items()}  # cores, idle
+                counters = client.run_on_scheduler(_counters)
+                before = {k: _cpu(p) for k, p in groups.items()}
+                n = max(1000, per_trainer * trainers)
+                t0 = time.perf_counter()
+                for i in range(n):
+                    coordinator.schedule(step, args=(i,))
+                coordinator.join()
+                wall = time.perf_counter() - t0
+                after = {k: _cpu(p) for k, p in groups.items()}
+                counted = client.run_on_scheduler(_counters)
+                out = {"trainers": trainers, "servers": servers, "functions": n, "per_second": n / wall}
+                for k in groups:
+                    out[f"{k}_us"] = max(0.0, after[k] - before[k] - idle[k] * wall) / n * 1e6
+                    out[f"{k}_idle_cores"] = idle[k]
+                out["transitions"] = (counted[0] - counters[0]) / n
+                out["events"] = (counted[1] - counters[1]) / n
+                out["coordinator_mb"] = me[0].memory_info().rss / 2**20
+                out["scheduler_mb"] = sched[0].memory_info().rss / 2**20
+                out["start_s"] = started
+                t0 = time.perf_counter()
+                strategy.close()
+                out["close_s"] = time.perf_counter() - t0
+                return out
+        finally:
+            cluster.close()
+
+
+def _counters(dask_scheduler) -> tuple[int, int]:
+    events = sum(t.count for t in dask_scheduler._broker._topics.values())  # every event published, all topics
+    return dask_scheduler.transition_counter, events
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trainers", default="8,32,128,512")
+    parser.add_argument("--servers", default="2,8")
+    parser.add_argument("--functions-per-trainer", type=int, default=30)
+    parser.add_argument("--work-us", type=float, default=200.0)
+    parser.add_argument("--idle-seconds", type=float, default=3.0)
+    parser.add_argument("--json", default=None, help="also write the rows to this file")
+    parser.add_argument("--plot", default=None, help="draw CPU per function against trainers into this PNG")
+    args = parser.parse_args(argv)
+    rows = []
+    print("| trainers | servers | functions/s | coordinator us/fn | scheduler us/fn | trainers us/fn | servers us/fn "
+          "| transitions/fn | events/fn | coordinator MB | scheduler MB | start s | close s | idle cores (sched, trainers) |")
+    print("| --- " * 14 + "|")
+    for m in (int(x) for x in args.servers.split(",")):
+        for n in (int(x) for x in args.trainers.split(",")):
+            r = measure(n, m, args.functions_per_trainer, args.work_us, args.idle_seconds)
+            rows.append(r)
+            print(f"| {n} | {m} | {r['per_second']:,.0f} | {r['coordinator_us']:,.0f} | {r['scheduler_us']:,.0f} "
+                  f"| {r['trainers_us']:,.0f} | {r['servers_us']:,.0f} | {r['transitions']:.2f} | {r['events']:.2f} "
+                  f"| {r['coordinator_mb']:.0f} | {r['scheduler_mb']:.0f} | {r['start_s']:.2f} | {r['close_s']:.2f} "
+                  f"| {r['scheduler_idle_cores']:.2f}, {r['trainers_idle_cores']:.2f} |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.plot:
+        plot(rows, args.plot)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """CPU per function of the coordinator and of the scheduler against the number of trainers, one line
+    per number of servers (log scale in trainers)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for m in sorted({r["servers"] for r in rows}):
+        mine = sorted((r for r in rows if r["servers"] == m), key=lambda r: r["trainers"])
+        xs = [r["trainers"] for r in mine]
+        ax.plot(xs, [r["coordinator_us"] for r in mine], "o-", label=f"coordinator, {m} servers")
+        ax.plot(xs, [r["scheduler_us"] for r in mine], "s--", label=f"scheduler, {m} servers")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("simulated trainers")
+    ax.set_ylabel("CPU per function (us), idle cost subtracted")
+    ax.set_title("daskps: coordinator and scheduler CPU per function")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
