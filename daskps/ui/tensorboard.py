@@ -92,7 +92,9 @@ class ScalarLogger:
     show them. Use it as a context manager,
     or call :meth:`start` and :meth:`stop`; stopping writes the last step.
     A write at the step written last (with ``step=``, when no optimizer
-    step was taken since) is skipped: each step has one point.
+    step was taken since) is skipped: each step has one point, with the
+    values of the first write at that step (reports that arrive after it
+    show at the next step that is written).
     A metric that cannot be read is skipped with one warning: a log must
     not stop training.
     """
