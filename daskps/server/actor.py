@@ -61,7 +61,9 @@ class DaskParameterServer(ParameterServer):
 
     def handle(self, message: Message) -> Serialized:
         with self._lock:
-            return serialized(self.execute(message))
+            answer = serialized(self.execute(message))
+        self.trim_if_due()
+        return answer
 
 
 def _worker_open(worker: weakref.ref) -> bool:

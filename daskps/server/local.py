@@ -26,6 +26,7 @@ class LocalTransport:
         with self._lock:
             result = self.server.execute(message)
         self._drain_if_free()
+        self.server.trim_if_due()
         return result
 
     def release_later(self, server: Any, key: str, holder: str) -> None:

@@ -88,7 +88,7 @@ class ParameterServer:
         self.table_updates: Counter[str] = Counter()
         self._shared_reads = False
         self._dropped = 0  # bytes dropped since the heap was last trimmed
-        self._trim_pending = False
+        self.trim_due = False  # set once another heap.TRIM_AFTER bytes are dropped: see trim_if_due
         self.calls: Counter[str] = Counter()
         self.started = time.time()
 
@@ -130,11 +130,15 @@ class ParameterServer:
             if outcomes and len(results) > outcomes:  # the isolated operations ran: say how each went
                 raise PartlyAppliedError(sendable(exc), results[1 : 1 + outcomes]) from None
             raise
-        finally:
-            if self._trim_pending:  # what the message dropped is freed by now
-                self._trim_pending = False
-                heap.trim()
         return results
+
+    def trim_if_due(self) -> None:
+        """Give the heap's free pages back if enough was dropped since the last time
+        (:mod:`daskps._core.heap`). Callers that hold a lock around :meth:`execute` call this once they
+        have let it go: a trim after a large drop takes tens of milliseconds."""
+        if self.trim_due:
+            self.trim_due = False
+            heap.trim()
 
     def _where(self) -> str:
         return "this process" if self.task_id is None else f"ps task {self.task_id}"
@@ -205,7 +209,7 @@ class ParameterServer:
         self._dropped += freed
         if self._dropped >= heap.TRIM_AFTER:
             self._dropped = 0
-            self._trim_pending = True
+            self.trim_due = True
 
     # -- creation -------------------------------------------------------------------
     def create(self, op: ops.Create) -> ops.Created:

@@ -174,6 +174,7 @@ def _serve(conn: socket.socket, ref: weakref.ref, alive: Callable[[], bool], loc
                 # Nothing of a message is kept until the next one: a value released meanwhile (a blob's
                 # bytes, say) gives its memory back now.
                 message, frames = None, []
+                trim = getattr(server, "trim_if_due", None)  # after a large drop, outside the lock
                 del server
                 if trace.ON:
                     executed = trace.now()
@@ -185,6 +186,9 @@ def _serve(conn: socket.socket, ref: weakref.ref, alive: Callable[[], bool], loc
             if rest:  # what the socket would not take at once, sent outside the lock (a copy)
                 conn.sendall(rest)
                 rest = b""
+            if trim is not None:
+                trim()
+                trim = None  # (it holds the server)
             if trace.ON:
                 trace.span("write", executed)
     except OSError:  # the caller went away mid-message, or the channel closed

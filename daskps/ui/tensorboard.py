@@ -94,7 +94,7 @@ class ScalarLogger:
     A write at the step written last (with ``step=``, when no optimizer
     step was taken since) is skipped: each step has one point, with the
     values of the first write at that step (reports that arrive after it
-    show at the next step that is written).
+    show at the next step written, if there is one).
     A metric that cannot be read is skipped with one warning: a log must
     not stop training.
     """
