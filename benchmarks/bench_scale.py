@@ -3,10 +3,11 @@
 Runs N simulated trainers and M servers on this machine: a ``dask scheduler`` process of its own, the
 servers and trainers as Dask workers several to a process (``_scale_host.py``: one event loop, one
 thread per worker), and the coordinator in this process. Each scheduled function reads a 64-float
-variable, pushes a gradient to it and spins for ``--work-us`` microseconds (the variables are spread
-over the servers). For each (N, M) it reports:
+variable, pushes a gradient to it, spins for ``--work-us`` microseconds and sleeps ``--sleep-ms``
+(the variables are spread over the servers). For each (N, M) it reports:
 
-- functions per second, over ``--functions-per-trainer`` x N functions (at least 1,000);
+- functions per second, over ``--functions-per-trainer`` x N functions (at least 1,000), and how many
+  trainers ran a batch meanwhile (short functions go to few trainers: that is the batching policy);
 - CPU per function of the coordinator (this process) and of the scheduler, less what each costs
   idle over the same time (measured first, with nothing scheduled), and of the trainers' and the
   servers' processes together (their idle cost subtracted too);
@@ -103,7 +104,8 @@ def _cpu(procs: list[psutil.Process]) -> float:
     return total
 
 
-def measure(trainers: int, servers: int, per_trainer: int, work_us: float, idle_s: float) -> dict:
+def measure(trainers: int, servers: int, per_trainer: int, work_us: float, idle_s: float,
+            sleep_ms: float = 0.0) -> dict:
     with tempfile.TemporaryDirectory(prefix="daskps-scale-") as tmp:
         cluster = Cluster(trainers, servers, tmp)
         try:
@@ -122,10 +124,13 @@ def measure(trainers: int, servers: int, per_trainer: int, work_us: float, idle_
                     v.read_value()
                     opt.apply_gradients([(grad, v)])
                     _spin(work_us)
+                    if sleep_ms:
+                        time.sleep(sleep_ms / 1000)  # the rest of a step off this machine's cores
 
                 for i in range(2 * trainers):  # every trainer has run something: imports, connections
                     coordinator.schedule(step, args=(i,))
                 coordinator.join()
+                trainer_addresses = set(strategy.cluster_resolver.cluster_spec()["worker"])
                 me = [psutil.Process()]
                 sched = [psutil.Process(cluster.scheduler.pid)]
                 groups = {"coordinator": me, "scheduler": sched, "trainers": cluster.hosts["worker"],
@@ -134,6 +139,7 @@ def measure(trainers: int, servers: int, per_trainer: int, work_us: float, idle_
                 time.sleep(idle_s)
                 idle = {k: (_cpu(p) - before[k]) / idle_s for k, p in groups.items()}  # cores, idle
                 counters = client.run_on_scheduler(_counters)
+                tasks = client.run(_executed)
                 before = {k: _cpu(p) for k, p in groups.items()}
                 n = max(1000, per_trainer * trainers)
                 t0 = time.perf_counter()
@@ -143,10 +149,13 @@ def measure(trainers: int, servers: int, per_trainer: int, work_us: float, idle_
                 wall = time.perf_counter() - t0
                 after = {k: _cpu(p) for k, p in groups.items()}
                 counted = client.run_on_scheduler(_counters)
+                ran = client.run(_executed)
+                used = sum(1 for w, k in ran.items() if k > tasks.get(w, 0) and str(w) in trainer_addresses)
                 out = {"trainers": trainers, "servers": servers, "functions": n, "per_second": n / wall}
                 for k in groups:
                     out[f"{k}_us"] = max(0.0, after[k] - before[k] - idle[k] * wall) / n * 1e6
                     out[f"{k}_idle_cores"] = idle[k]
+                out["trainers_used"] = used  # that ran a batch while timed
                 out["transitions"] = (counted[0] - counters[0]) / n
                 out["events"] = (counted[1] - counters[1]) / n
                 out["coordinator_mb"] = me[0].memory_info().rss / 2**20
@@ -160,6 +169,10 @@ def measure(trainers: int, servers: int, per_trainer: int, work_us: float, idle_
             cluster.close()
 
 
+def _executed(dask_worker) -> int:
+    return dask_worker.state.executed_count
+
+
 def _counters(dask_scheduler) -> tuple[int, int]:
     events = sum(t.count for t in dask_scheduler._broker._topics.values())  # every event published, all topics
     return dask_scheduler.transition_counter, events
@@ -171,22 +184,27 @@ def main(argv=None) -> None:
     parser.add_argument("--servers", default="2,8")
     parser.add_argument("--functions-per-trainer", type=int, default=30)
     parser.add_argument("--work-us", type=float, default=200.0)
+    parser.add_argument("--sleep-ms", type=float, default=0.0,
+                        help="each function also sleeps this long: a step whose time is mostly spent off this "
+                             "machine's cores (an accelerator, another machine), as for real trainers with "
+                             "100 ms steps, which 2 cores cannot run hundreds of")
     parser.add_argument("--idle-seconds", type=float, default=3.0)
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     parser.add_argument("--plot", default=None, help="draw CPU per function against trainers into this PNG")
     args = parser.parse_args(argv)
     rows = []
     print("| trainers | servers | functions/s | coordinator us/fn | scheduler us/fn | trainers us/fn | servers us/fn "
-          "| transitions/fn | events/fn | coordinator MB | scheduler MB | start s | close s | idle cores (sched, trainers) |")
-    print("| --- " * 14 + "|")
+          "| transitions/fn | events/fn | coordinator MB | scheduler MB | start s | close s | idle cores (sched, trainers) "
+          "| trainers used |")
+    print("| --- " * 15 + "|")
     for m in (int(x) for x in args.servers.split(",")):
         for n in (int(x) for x in args.trainers.split(",")):
-            r = measure(n, m, args.functions_per_trainer, args.work_us, args.idle_seconds)
+            r = measure(n, m, args.functions_per_trainer, args.work_us, args.idle_seconds, args.sleep_ms)
             rows.append(r)
             print(f"| {n} | {m} | {r['per_second']:,.0f} | {r['coordinator_us']:,.0f} | {r['scheduler_us']:,.0f} "
                   f"| {r['trainers_us']:,.0f} | {r['servers_us']:,.0f} | {r['transitions']:.2f} | {r['events']:.2f} "
                   f"| {r['coordinator_mb']:.0f} | {r['scheduler_mb']:.0f} | {r['start_s']:.2f} | {r['close_s']:.2f} "
-                  f"| {r['scheduler_idle_cores']:.2f}, {r['trainers_idle_cores']:.2f} |", flush=True)
+                  f"| {r['scheduler_idle_cores']:.2f}, {r['trainers_idle_cores']:.2f} | {r['trainers_used']} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
@@ -194,24 +212,25 @@ def main(argv=None) -> None:
         plot(rows, args.plot)
 
 
-def plot(rows: list[dict], path: str) -> None:
-    """CPU per function of the coordinator and of the scheduler against the number of trainers, one line
-    per number of servers (log scale in trainers)."""
+def plot(rows: list[dict], path: str, before: list[dict] | None = None, title: str = "") -> None:
+    """Coordinator plus scheduler CPU per function against the number of trainers, one line per number of
+    servers (log scale in trainers); ``before``: rows of an earlier run, drawn dashed beside them."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for m in sorted({r["servers"] for r in rows}):
-        mine = sorted((r for r in rows if r["servers"] == m), key=lambda r: r["trainers"])
-        xs = [r["trainers"] for r in mine]
-        ax.plot(xs, [r["coordinator_us"] for r in mine], "o-", label=f"coordinator, {m} servers")
-        ax.plot(xs, [r["scheduler_us"] for r in mine], "s--", label=f"scheduler, {m} servers")
+    for label, data, style in (("before", before or [], "--"), ("", rows, "-")):
+        for m in sorted({r["servers"] for r in data}):
+            mine = sorted((r for r in data if r["servers"] == m), key=lambda r: r["trainers"])
+            ax.plot([r["trainers"] for r in mine], [r["coordinator_us"] + r["scheduler_us"] for r in mine],
+                    "o" + style, label=f"{m} servers" + (f" ({label})" if label else ""))
     ax.set_xscale("log", base=2)
     ax.set_xlabel("simulated trainers")
-    ax.set_ylabel("CPU per function (us), idle cost subtracted")
-    ax.set_title("daskps: coordinator and scheduler CPU per function")
+    ax.set_ylabel("coordinator + scheduler CPU per function (us)")
+    ax.set_title(title or "daskps: what one function costs the coordinator and the scheduler")
+    ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -3,7 +3,11 @@
 Every batch is one Dask task on one trainer, so a batch should hold enough
 work to be worth its round trip (about ``BATCH_SECONDS``, from how long
 functions have taken: a moving average of their reports) and no more than
-``daskps.max-batch`` functions. Only as many trainers as the outstanding work
+``daskps.max-batch`` functions. Past 20 trainers a batch holds more
+(:func:`batch_seconds`: the trainers over ``MAX_BATCHES_PER_SECOND``) and
+trainers report less often (:func:`report_seconds`), so that the tasks and
+events a coordinator sends through the scheduler each second stay bounded
+as trainers are added. Only as many trainers as the outstanding work
 needs get batches, one each; then, while a whole batch more is queued for
 each, a second one each, which waits on its trainer and starts the moment
 the first ends (a trainer with none idles a round trip through the
@@ -23,8 +27,25 @@ from collections.abc import Sequence
 
 from daskps._core.config import setting
 
-# About how long one batch should run.
+# About how long one batch should run (with up to 20 trainers; see batch_seconds).
 BATCH_SECONDS = 0.2
+# Past 20 trainers, batches run longer, and trainers report less often, so that what one coordinator sends
+# through the scheduler stays bounded however many trainers there are: about this many batch tasks a
+# second (each is about five task transitions and their messages) ...
+MAX_BATCHES_PER_SECOND = 100
+# ... and about this many report events a second (a trainer reports every 20 ms up to 10 trainers).
+MAX_REPORTS_PER_SECOND = 500
+REPORT_SECONDS = 0.02
+
+
+def batch_seconds(trainers: int) -> float:
+    """How long a batch should run with ``trainers`` live trainers."""
+    return max(BATCH_SECONDS, trainers / MAX_BATCHES_PER_SECOND)
+
+
+def report_seconds(trainers: int) -> float:
+    """How long a trainer gathers finished functions into one report event, with ``trainers`` live trainers."""
+    return max(REPORT_SECONDS, trainers / MAX_REPORTS_PER_SECOND)
 
 
 class BatchPolicy:
@@ -49,9 +70,10 @@ class BatchPolicy:
         if per is None:
             useful, size = trainers, math.ceil(queued / trainers)
         else:
+            target = batch_seconds(trainers)
             work = pending * per  # queued and running
-            useful = max(1, min(trainers, math.ceil(work / BATCH_SECONDS)))
-            size = min(max(1, int(BATCH_SECONDS / per)), math.ceil(queued / useful))
+            useful = max(1, min(trainers, math.ceil(work / target)))
+            size = min(max(1, int(target / per)), math.ceil(queued / useful))
         size = min(size, setting("max_batch"))
         # Batches capped at daskps.max-batch: the work is more than one batch per trainer can carry, so
         # spread it (short functions would otherwise wait for a round trip per batch on one trainer).

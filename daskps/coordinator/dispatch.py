@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from daskps._core.pickling import dumps_or_explain
-from daskps.coordinator.batching import BatchPolicy
+from daskps.coordinator.batching import BatchPolicy, report_seconds
 from daskps.trainer.messages import run_batch
 
 # While there is work to dispatch, trainers are counted again this often (seconds).
@@ -101,7 +101,7 @@ class Dispatcher:
                 # Batches waiting on one trainer start in the order they were made: Dask ranks tasks submitted
                 # within 100 ms of each other alike, and then by key, where batch 10 comes before batch 9.
                 future = self._client.submit(
-                    run_batch, self._strategy_blob, self._topic, key, payload,
+                    run_batch, self._strategy_blob, self._topic, key, payload, report_seconds(trainers),
                     key=key, resources={"worker": 1}, pure=False, priority=-number,
                 )
                 book.batches[key] = (future, closures)

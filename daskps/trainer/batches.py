@@ -49,13 +49,12 @@ from daskps.scheduler.messages import BIG, ERROR, OK, REPORTED_HANDLER, Function
 from daskps.trainer.datasets import PerWorkerValues, local_worker_index, running_function
 
 _LEAVING = frozenset({Status.closing_gracefully, Status.closing, Status.closed, Status.failed})
-# Functions finishing this close together are reported in one event.
-REPORT_EVERY = 0.02
 # Results up to this size ride in the event; bigger ones come back with the task.
 INLINE_BYTES = 64 << 10
 
 
-def run_batch_here(strategy_blob: bytes, topic: str, batch_key: str, batch: bytes) -> dict[int, Any]:
+def run_batch_here(strategy_blob: bytes, topic: str, batch_key: str, batch: bytes,
+                   report_every: float) -> dict[int, Any]:
     """Run the pickled ``[(function id, (pickled fn, pickled (args, kwargs)), staleness), ...]`` in order;
     return big results.
 
@@ -76,7 +75,7 @@ def run_batch_here(strategy_blob: bytes, topic: str, batch_key: str, batch: byte
     reported = set(answer.reported)
     big: dict[int, Any] = {}
     with pipeline.pipelined() as pipe, scheduled_function(), strategy.scope():
-        reporter = _Reporter(worker, topic, batch_key, pipe)
+        reporter = _Reporter(worker, topic, batch_key, pipe, report_every)
         for i, (cid, blob, staleness) in enumerate(closures):
             if cid in reported:
                 continue  # ran before this task was moved here, and its result reached the coordinator
@@ -100,7 +99,7 @@ def run_batch_here(strategy_blob: bytes, topic: str, batch_key: str, batch: byte
             following = closures[i + 1][1][0] if i + 1 < len(closures) else None
             # Pushes wait for the next message to their server only while the same step repeats:
             # other work next (which might take long, or wait for this result) gets them sent now.
-            # Also when a report has waited REPORT_EVERY: the functions since touched no such server.
+            # Also when a report has waited report_every: the functions since touched no such server.
             # With bounded staleness, pushes wait for a message to their server at most ``staleness`` steps.
             if pipe.pending and (following is not blob[0] or reporter.overdue()
                                  or (staleness and pipe.held_too_long())):
@@ -121,15 +120,17 @@ def _settle(reporter: _Reporter, final: bool = False) -> None:
 class _Reporter:
     """Reports finished functions in order, once their pushes are applied, a few per event.
 
-    Functions that finish within ``REPORT_EVERY`` seconds of each other share
+    Functions that finish within ``every`` seconds of each other (the coordinator's
+    :func:`~daskps.coordinator.batching.report_seconds`: 20 ms, longer with many trainers) share
     one event (one message through the scheduler instead of one each): the
     first one ready sets a timer on the worker's event loop, which sends
     whatever is ready by then, even while the next function runs. An error,
     and the end of the batch, go out at once.
     """
 
-    def __init__(self, worker: Any, topic: str, batch_key: str, pipe: Any):
+    def __init__(self, worker: Any, topic: str, batch_key: str, pipe: Any, every: float):
         self.worker, self.topic, self.batch_key, self.pipe = worker, topic, batch_key, pipe
+        self.every = every  # seconds
         # Finished, pushes not yet applied: (report, when it finished).
         self.waiting: collections.deque[tuple[FunctionReport, float]] = collections.deque()
         self.outbox: list[FunctionReport] = []
@@ -141,13 +142,13 @@ class _Reporter:
         self.send(final=report.status == ERROR)
 
     def overdue(self) -> bool:
-        """Whether a finished function has waited ``REPORT_EVERY`` for its pushes to be applied.
+        """Whether a finished function has waited ``every`` seconds for its pushes to be applied.
 
         Pushes ride with the next message to their server; when the functions
         after it do not talk to that server, the batch sends them itself, so
         a report waits at most about one function.
         """
-        return bool(self.waiting) and time.monotonic() - self.waiting[0][1] > REPORT_EVERY
+        return bool(self.waiting) and time.monotonic() - self.waiting[0][1] > self.every
 
     def send(self, final: bool = False) -> None:
         while self.waiting and self.pipe.settled(self.waiting[0][0].function):
@@ -166,7 +167,7 @@ class _Reporter:
             self.timer = self.timer or start
         if start:
             loop = self.worker.loop
-            loop.add_callback(loop.call_later, REPORT_EVERY, self._flush)
+            loop.add_callback(loop.call_later, self.every, self._flush)
 
     def _flush(self) -> None:
         with self.lock:

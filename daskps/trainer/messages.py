@@ -15,11 +15,12 @@ import dataclasses
 from typing import Any
 
 
-def run_batch(strategy_blob: bytes, topic: str, batch_key: str, batch: bytes) -> dict[int, Any]:
-    """The task of one batch, run on a trainer (see :func:`daskps.trainer.batches.run_batch_here`)."""
+def run_batch(strategy_blob: bytes, topic: str, batch_key: str, batch: bytes, report_every: float) -> dict[int, Any]:
+    """The task of one batch, run on a trainer (see :func:`daskps.trainer.batches.run_batch_here`); its finished
+    functions are reported in events at most ``report_every`` seconds apart."""
     from daskps.trainer.batches import run_batch_here  # (on the trainer)
 
-    return run_batch_here(strategy_blob, topic, batch_key, batch)
+    return run_batch_here(strategy_blob, topic, batch_key, batch, report_every)
 
 
 @dataclasses.dataclass(frozen=True)

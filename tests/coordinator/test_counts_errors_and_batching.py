@@ -310,3 +310,20 @@ def test_a_rate_limited_call_runs_at_once_then_at_most_once_an_interval():
         assert len(ran) == 3
 
     asyncio.run(main())
+
+
+def test_past_20_trainers_batches_run_longer_and_reports_gather_longer_so_the_scheduler_load_stays_bounded():
+    """Batch tasks a second, over every trainer, stay near 100, and report events near 500, however many
+    trainers there are (with up to 20, and 10, the 0.2 s batches and 20 ms reports of a small cluster)."""
+    from daskps.coordinator.batching import BatchPolicy, batch_seconds, report_seconds
+
+    assert batch_seconds(2) == batch_seconds(20) == 0.2 and report_seconds(2) == report_seconds(10) == 0.02
+    for trainers in (64, 512, 1024):
+        assert trainers / batch_seconds(trainers) == pytest.approx(100)  # every trainer busy: tasks a second
+        assert trainers / report_seconds(trainers) == pytest.approx(500)  # a report each per interval
+    policy = BatchPolicy()
+    policy.observe([0.1])  # 100 ms steps, as a real trainer's
+    # 1,024 trainers with plenty queued: 10.24 s of work per batch (102 functions), not 0.2 s (2 functions)
+    assert policy.next_size(queued=200_000, pending=200_000, trainers=1024, in_flight=0) == 102
+    assert policy.next_size(queued=200_000, pending=200_000, trainers=8, in_flight=0) == 2
+

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import threading
+
 from .waiting import wait_until
 
 
@@ -38,3 +42,21 @@ def wait_for_coordinator_release(client, keys):
     asynchronously); return who holds each key then."""
     return wait_until(lambda: (lambda h: h if all("coordinator" not in h.get(k, {}) for k in keys) else None)(
         holders(client, keys)), what=f"the coordinator's release of {keys}")
+
+
+@contextlib.contextmanager
+def serving_end(server, host: str = "127.0.0.1"):
+    """A direct channel's serving end for ``server`` (held weakly there: keep it) on an event loop of its
+    own; yields ``(address, close)``, and closes it all on the way out."""
+    from daskps.server import serving
+
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    address, close = serving.open_channel(server, host, loop)
+    try:
+        yield address, close
+    finally:
+        close()
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(5)

@@ -9,16 +9,14 @@ same messages, large frames through shared memory included.
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import sys
-import threading
 
 import numpy as np
 import pytest
 
 from daskps.client.channel import Channel
-from daskps.server import serving
+from tests.helpers.servers import serving_end
 from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the abstract namespace is Linux'")
@@ -37,17 +35,9 @@ class _Echo:
 
 @pytest.fixture
 def served():
-    loop = asyncio.new_event_loop()
-    runner = threading.Thread(target=loop.run_forever, daemon=True)
-    runner.start()
     server = _Echo()  # held here: the channel holds it weakly
-    address, close = serving.open_channel(server, "127.0.0.1", loop)
-    try:
+    with serving_end(server) as (address, close):
         yield server, address, close
-    finally:
-        close()
-        loop.call_soon_threadsafe(loop.stop)
-        runner.join(5)
 
 
 def _round_trips(ch: Channel) -> None:

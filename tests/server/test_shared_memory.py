@@ -11,10 +11,8 @@ and servers do map a region while training gives numpy's numbers.
 
 from __future__ import annotations
 
-import asyncio
 import glob
 import os
-import threading
 
 import numpy as np
 import pytest
@@ -22,7 +20,7 @@ import pytest
 import daskps as dps
 from daskps._core import shared
 from daskps.client.channel import Channel
-from daskps.server import serving
+from tests.helpers.servers import serving_end
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm on this machine")
 
@@ -54,11 +52,9 @@ def _region_sizes() -> dict[str, int]:
 @pytest.fixture
 def echo():
     """A serving end on its own event loop, and a way to open channels to it."""
-    loop = asyncio.new_event_loop()
-    runner = threading.Thread(target=loop.run_forever, daemon=True)
-    runner.start()
     server = _Echo()  # held here: the channel holds it weakly
-    address, close = serving.open_channel(server, "127.0.0.1", loop)
+    end = serving_end(server)
+    address, _ = end.__enter__()
     opened = []
     already = set(_region_sizes())  # this test process's own channels to clusters of other tests
 
@@ -82,9 +78,7 @@ def echo():
     finally:
         for ch in opened:
             ch.close()
-        close()
-        loop.call_soon_threadsafe(loop.stop)
-        runner.join(5)
+        end.__exit__(None, None, None)
 
 
 def _round_trip(ch: Channel, message: list) -> list:
