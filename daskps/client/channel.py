@@ -74,7 +74,7 @@ class Channel:
     @property
     def local(self) -> bool:
         """Whether the open connection is the server's local socket (``False`` for TCP, or none open)."""
-        return self._sock is not None and self._sock.family == getattr(socket, "AF_UNIX", None)
+        return self._sock is not None and self._sock.family == _UNIX
 
     @property
     def connected(self) -> bool:
@@ -192,13 +192,15 @@ class Channel:
             self.shared_bytes = 0
 
 
+_UNIX = getattr(socket, "AF_UNIX", None)  # (not on Windows)
+
+
 def _connect_local(name: str, timeout: float) -> socket.socket | None:
     """A connection to the server's abstract Unix socket ``name``, or ``None`` where there is none to reach
     from here (a caller on another machine finds no socket of that random name in its own namespace)."""
-    family = getattr(socket, "AF_UNIX", None)
-    if family is None:
+    if _UNIX is None:
         return None
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)
         sock.connect("\0" + name)

@@ -201,9 +201,9 @@ class ParameterServer:
             self._bags.drop_table(key)
         if self._optimizers.pop(key, None) is not None:
             for table in self._tables.values():
-                before = table.slot_nbytes()
-                if table.slots.pop(key, None) is not None:
-                    freed += before - table.slot_nbytes()
+                slots = table.slots.pop(key, None)
+                if slots is not None:
+                    freed += sum(a.nbytes for a in transforms.slot_arrays(slots).values())
         # Freed blocks in the middle of the heap stay with the process (:mod:`daskps._core.heap`): after a
         # large drop (a model deleted, a trainer's tables gone with it), give their pages back.
         self._dropped += freed

@@ -1,8 +1,8 @@
 """The server's end of a direct channel (:mod:`daskps.client.channel` is the caller's).
 
 A parameter server's actor listens on its worker's host (port 0), and on
-Linux on a local Unix socket too; the worker's event loop accepts connections, and each connection gets a thread
-of its own that reads requests
+Linux on a local Unix socket too; the worker's event loop accepts
+connections, and each connection gets a thread of its own that reads requests
 (``[8-byte count][8-byte length per frame][frames]``, :mod:`daskps._core.wire`)
 with blocking calls, runs them on the server under the server's lock (one
 message at a time, whichever connection or Dask call it came from), and
@@ -42,8 +42,10 @@ def open_channel(server: Any, host: str, loop: asyncio.AbstractEventLoop,
     The address is ``host:port``; on Linux the server also listens on a Unix
     socket under a random name in the abstract namespace, and the address is
     ``host:port|name``: a caller on this machine connects there (half the
-    kernel's CPU per message of loopback TCP), any other over TCP. ``lock`` (a new one by default) is held while a message runs: pass the one
-    the server's other callers take. Connections hold the server weakly: once
+    kernel's CPU per message of loopback TCP), any other over TCP.
+
+    ``lock`` (a new one by default) is held while a message runs: pass the
+    one the server's other callers take. Connections hold the server weakly: once
     Dask drops the actor, they close. So they do at the first request that
     finds ``alive()`` false (its worker closed, though this process and the
     actor live on: a worker thread's, or one an operator closed), and the
