@@ -7,7 +7,10 @@ starts ``COUNT`` workers named ``{ROLE}-{FIRST}`` ... with the resource ``ROLE=1
 trainer, ``ps`` for a server), one thread each, listening on 127.0.0.1, and runs until killed. A real
 worker process holds one worker; here a process holds many, so that a 2-core machine can hold hundreds.
 Per-process machinery that Dask repeats per worker (the profiler, the system monitor) is slowed, as it
-would run once per machine in a real deployment.
+would run once per machine in a real deployment. For the same reason the process imports daskps
+before its workers start: on a real cluster every worker process imports it at the first strategy's
+start-up, all at once on machines of their own; here the hosts would import it one after another on two
+cores, and the strategy's start-up would grow with the number of hosts for that alone.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ async def main(scheduler_file: str, role: str, first: int, count: int) -> None:
 
 
 if __name__ == "__main__":
+    import daskps.client.worker_state  # noqa: F401  (see above: what a strategy's start-up has every worker load)
+    import daskps.server.actor  # noqa: F401
     dask.config.set({
         "distributed.worker.profile.enabled": False,
         "distributed.admin.system-monitor.interval": "2s",

@@ -13,7 +13,9 @@ variable, pushes a gradient to it, spins for ``--work-us`` microseconds and slee
   servers' processes together (their idle cost subtracted too);
 - the scheduler's task transitions and events per function (what flows through it);
 - the coordinator's and the scheduler's resident memory;
-- seconds for ``ParameterServerStrategy(client)`` to start and for ``strategy.close()``.
+- seconds for ``ParameterServerStrategy(client)`` to start and for ``strategy.close()``, and the CPU
+  seconds the coordinator and the scheduler spent in each (the rest of a start-up is the servers' own
+  start, which a real cluster runs on machines of their own, all at once, and this one on two cores).
 
     python benchmarks/bench_scale.py --trainers 8,32,128,512 --servers 2,8 --plot benchmarks/scale.png
 
@@ -110,9 +112,12 @@ def measure(trainers: int, servers: int, per_trainer: int, work_us: float, idle_
         cluster = Cluster(trainers, servers, tmp)
         try:
             with Client(scheduler_file=cluster.sched_file) as client:
-                t0 = time.perf_counter()
+                me = [psutil.Process()]
+                sched = [psutil.Process(cluster.scheduler.pid)]
+                cpu0, t0 = _cpu(me + sched), time.perf_counter()
                 strategy = dps.ParameterServerStrategy(client)
                 started = time.perf_counter() - t0
+                start_cpu = _cpu(me + sched) - cpu0
                 coordinator = dps.ClusterCoordinator(strategy)
                 with strategy.scope():
                     vs = [dps.Variable(np.zeros(64, np.float32), name=f"scale_{i}") for i in range(servers)]
@@ -131,8 +136,6 @@ def measure(trainers: int, servers: int, per_trainer: int, work_us: float, idle_
                     coordinator.schedule(step, args=(i,))
                 coordinator.join()
                 trainer_addresses = set(strategy.cluster_resolver.cluster_spec()["worker"])
-                me = [psutil.Process()]
-                sched = [psutil.Process(cluster.scheduler.pid)]
                 groups = {"coordinator": me, "scheduler": sched, "trainers": cluster.hosts["worker"],
                           "servers": cluster.hosts["ps"]}
                 before = {k: _cpu(p) for k, p in groups.items()}
@@ -161,9 +164,11 @@ def measure(trainers: int, servers: int, per_trainer: int, work_us: float, idle_
                 out["coordinator_mb"] = me[0].memory_info().rss / 2**20
                 out["scheduler_mb"] = sched[0].memory_info().rss / 2**20
                 out["start_s"] = started
-                t0 = time.perf_counter()
+                out["start_cpu_s"] = start_cpu  # the coordinator's and the scheduler's part of it
+                cpu0, t0 = _cpu(me + sched), time.perf_counter()
                 strategy.close()
                 out["close_s"] = time.perf_counter() - t0
+                out["close_cpu_s"] = _cpu(me + sched) - cpu0
                 return out
         finally:
             cluster.close()
@@ -194,8 +199,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     rows = []
     print("| trainers | servers | functions/s | coordinator us/fn | scheduler us/fn | trainers us/fn | servers us/fn "
-          "| transitions/fn | events/fn | coordinator MB | scheduler MB | start s | close s | idle cores (sched, trainers) "
-          "| trainers used |")
+          "| transitions/fn | events/fn | coordinator MB | scheduler MB | start s (CPU) | close s (CPU) "
+          "| idle cores (sched, trainers) | trainers used |")
     print("| --- " * 15 + "|")
     for m in (int(x) for x in args.servers.split(",")):
         for n in (int(x) for x in args.trainers.split(",")):
@@ -203,7 +208,8 @@ def main(argv=None) -> None:
             rows.append(r)
             print(f"| {n} | {m} | {r['per_second']:,.0f} | {r['coordinator_us']:,.0f} | {r['scheduler_us']:,.0f} "
                   f"| {r['trainers_us']:,.0f} | {r['servers_us']:,.0f} | {r['transitions']:.2f} | {r['events']:.2f} "
-                  f"| {r['coordinator_mb']:.0f} | {r['scheduler_mb']:.0f} | {r['start_s']:.2f} | {r['close_s']:.2f} "
+                  f"| {r['coordinator_mb']:.0f} | {r['scheduler_mb']:.0f} | {r['start_s']:.2f} ({r['start_cpu_s']:.2f}) "
+                  f"| {r['close_s']:.2f} ({r['close_cpu_s']:.2f}) "
                   f"| {r['scheduler_idle_cores']:.2f}, {r['trainers_idle_cores']:.2f} | {r['trainers_used']} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:

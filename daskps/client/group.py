@@ -99,7 +99,10 @@ class ServerGroup:
         self._lock = threading.Lock()  # replace() (in the recovery thread) against close()
         self._futures = [self._submit(i, addr) for i, (_, addr) in enumerate(ps_workers)]
         with self.client.as_current():  # the actors talk through this client, not whichever is current
-            channels = [fut.result().channel for fut in self._futures]
+            # every server at once: a future's result(), or an attribute read, one after another costs a
+            # round trip per server (64 servers: 0.16 s against 0.05 s)
+            asked = [actor.channel_address() for actor in self.client.gather(self._futures)]
+            channels = [answer.result() for answer in asked]
         self.servers = [ServerRef(addr, str(fut.key), i, ch)
                         for i, ((_, addr), fut, ch) in enumerate(zip(ps_workers, self._futures, channels))]
         _GROUPS[self.token] = self

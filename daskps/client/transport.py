@@ -297,7 +297,13 @@ def _lost(server: ServerRef, owner: Any, exc: OSError) -> BaseException:
 
     Briefly (``LOST_PROBE`` seconds): Dask retries a refused connection
     until its connect timeout, and a dead server should be reported at once.
+    Not at all for a server this process already found gone, or knows was
+    re-created elsewhere: every thread whose held pushes still name it fails
+    here, one after another under the channel's lock (64 trainers of one
+    process waited a second each, a minute in all, after a recovery).
     """
+    if server.actor_key in ROUTES.gone or server.actor_key in ROUTES.moved:
+        return ROUTES.unavailable(server, "was found gone earlier", exc)
     try:
         reason = transport_here(owner).run_each({server: [ops.Stats()]}, LOST_PROBE)[server]
     except Exception:

@@ -111,6 +111,13 @@ def test_without_a_manager_a_lost_ps_raises_promptly_and_says_what_to_do(fresh_c
     with pytest.raises(PSUnavailableError, match=r"ps:0.*'a'.*checkpoint_manager=manager"):
         coordinator.join()  # (how soon is measured, not asserted: pytest-timeout bounds a hang)
     assert not coordinator.recoveries
+    # Here too, the first call to find the server gone asks Dask what became of it; the next ones do not ask
+    # again (each would wait out the probe, one after another under the channel's lock).
+    with pytest.raises(PSUnavailableError, match=r"ps:0 at \S+ cannot be reached"):
+        a.numpy()
+    for _ in range(2):
+        with pytest.raises(PSUnavailableError, match=r"ps:0 at \S+ was found gone earlier .*'a'"):
+            a.numpy()
 
 
 def test_checkpoint_manager_argument_is_checked(strategy):
