@@ -6,8 +6,8 @@
 starts ``COUNT`` workers named ``{ROLE}-{FIRST}`` ... with the resource ``ROLE=1`` (``worker`` for a
 trainer, ``ps`` for a server), one thread each, listening on 127.0.0.1, and runs until killed. A real
 worker process holds one worker; here a process holds many, so that a 2-core machine can hold hundreds.
-Per-process machinery that Dask repeats per worker (the profiler, the system monitor) is slowed, as it
-would run once per machine in a real deployment. For the same reason the process imports daskps
+Per-process machinery that Dask repeats per worker (the profiler, the system and memory monitors, the
+timing of the event loop's ticks) is slowed or off, as it would run once per machine in a real deployment. For the same reason the process imports daskps
 before its workers start: on a real cluster every worker process imports it at the first strategy's
 start-up, all at once on machines of their own; here the hosts would import it one after another on two
 cores, and the strategy's start-up would grow with the number of hosts for that alone.
@@ -41,7 +41,8 @@ if __name__ == "__main__":
     import daskps.server.actor  # noqa: F401
     dask.config.set({
         "distributed.worker.profile.enabled": False,
-        "distributed.admin.system-monitor.interval": "2s",
-        "distributed.worker.memory.monitor-interval": "2s",
+        "distributed.admin.system-monitor.interval": "10s",
+        "distributed.worker.memory.monitor-interval": "10s",
+        "distributed.admin.tick.interval": "1s",  # each worker timing the one event loop they share, every 20 ms
     })
     asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))

@@ -73,7 +73,8 @@ class BatchPolicy:
             target = batch_seconds(trainers)
             work = pending * per  # queued and running
             useful = max(1, min(trainers, math.ceil(work / target)))
-            size = min(max(1, int(target / per)), math.ceil(queued / useful))
+            # (rounded, not truncated: functions of 0.1001 s are two to a 0.2 s batch, not one)
+            size = min(max(1, round(target / per)), math.ceil(queued / useful))
         size = min(size, setting("max_batch"))
         # Batches capped at daskps.max-batch: the work is more than one batch per trainer can carry, so
         # spread it (short functions would otherwise wait for a round trip per batch on one trainer).

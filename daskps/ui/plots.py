@@ -34,6 +34,10 @@ from daskps.scheduler.messages import PLUGIN_NAME
 from daskps.scheduler.timeline import SERVER_FIELDS, Tick, Timeline
 
 KEEP = 600  # points each time series keeps
+# Past this many trainers the trainers page draws what a few lines can say about all of them (their mean,
+# the slowest and the fastest), not a line each: 500 lines tell nothing, and cost the scheduler to send.
+TRAINER_LINES = 16
+MOST_BARS = 40  # bars a bar chart shows at most: the busiest servers, the slowest trainers
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
            "#bcbd22", "#17becf"]
 _BYTES, _READS, _UPDATES, _SENT, _RECEIVED = (SERVER_FIELDS.index(f) for f in (
@@ -290,7 +294,7 @@ class ShardsPage(Page):
                 old = before.get(key, (name, server, reads, updates))
                 rate = [max(0.0, (reads - old[2]) / (now - then)), max(0.0, (updates - old[3]) / (now - then))]
                 rows.append((f"{name} ({server})", PALETTE[servers.index(server) % len(PALETTE)], rate))
-            busiest = sorted(rows, key=lambda r: -sum(r[2]))[:40]
+            busiest = sorted(rows, key=lambda r: -sum(r[2]))[:MOST_BARS]
             self.load.show(sorted(busiest, key=lambda r: r[0]))  # in a steady order: the tallest bars stand out
         if self.previous is None or now > self.previous[0]:
             self.previous = (now, tables)
@@ -310,8 +314,8 @@ class TrainersPage(Page):
         return [self.functions.figure, self.durations.figure, self.failures.figure]
 
     def tick(self, previous: Tick, tick: Tick) -> None:
-        self.functions.add(tick.time, _rates(previous, tick, lambda t: {w: float(c.completed)
-                                                                       for w, c in t.trainers.items()}))
+        self.functions.add(tick.time, trainer_lines(_rates(previous, tick, lambda t: {w: float(c.completed)
+                                                                                     for w, c in t.trainers.items()})))
         self.failures.add(tick.time, {  # the coordinators' counts, as /metrics' functions_failed and _rerun
             "failed": float(sum(s.get("failed", 0) for s in tick.coordinators.values())),
             "re-run": float(sum(s.get("rerun", 0) for s in tick.coordinators.values())),
@@ -323,7 +327,22 @@ class TrainersPage(Page):
             if seconds:
                 p = np.percentile(np.fromiter(seconds, float), [50, 90, 99]) * 1000
                 rows.append((trainer, PALETTE[0], [float(x) for x in p]))
+        if len(rows) > MOST_BARS:  # the slowest (by p99), in name order, after all of them together
+            every = np.concatenate([np.fromiter(s, float) for s in timeline.durations.values() if s])
+            slowest = sorted(sorted(rows, key=lambda r: -r[2][2])[:MOST_BARS - 1], key=lambda r: r[0])
+            whole = [float(x) for x in np.percentile(every, [50, 90, 99]) * 1000]
+            rows = [(f"all {len(rows)} trainers", PALETTE[1], whole), *slowest]
         self.durations.show(rows)
+
+
+def trainer_lines(rates: dict[str, float]) -> dict[str, float]:
+    """The lines of the functions-per-second plot: one per trainer, or past :data:`TRAINER_LINES` trainers
+    their mean, the slowest and the fastest."""
+    if len(rates) <= TRAINER_LINES:
+        return rates
+    values = list(rates.values())
+    return {"mean per trainer": sum(values) / len(values), "slowest trainer": min(values),
+            "fastest trainer": max(values)}
 
 
 PAGES: dict[str, type[Page]] = {

@@ -255,6 +255,13 @@ def test_short_functions_go_in_one_big_batch_long_ones_spread_over_the_trainers(
     assert long.next_size(queued=100, pending=100, trainers=2, in_flight=4) == 0
     # until durations are known, one batch each: the queue split evenly over the trainers
     assert BatchPolicy().next_size(queued=40, pending=80, trainers=2, in_flight=2) == 0
+    # a 100 ms step measures a little over 0.1 s: still two to a 0.2 s batch (one each doubled the batches,
+    # and with them the scheduler's and the coordinator's work per function)
+    step = BatchPolicy()
+    step.observe([0.1004])
+    assert step.next_size(queued=80, pending=80, trainers=8, in_flight=0) == 2
+    step.observe([0.15])  # (the average: 0.1252 s) 1.6 of them make a batch: rounded, 2
+    assert step.next_size(queued=80, pending=80, trainers=8, in_flight=0) == 2
 
 
 def test_the_duration_is_a_moving_average_and_max_batch_caps_a_batch():

@@ -143,6 +143,41 @@ def test_pages_keep_showing_new_points_once_the_timeline_is_full():
     assert list(trainers.failures.source.data["failed"]) == [0.0, 0.0, 1.0]
 
 
+def test_the_trainers_page_of_500_trainers_draws_a_few_lines_and_the_slowest_trainers():
+    """Past 16 trainers, one line each would be hundreds: the page draws their mean, slowest and fastest;
+    the durations chart shows all trainers together and the 39 slowest by p99 (numbers from numpy here)."""
+    from daskps.scheduler.timeline import Timeline
+    from daskps.ui.plots import TrainersPage
+
+    timeline, page = Timeline(), TrainersPage()
+    names = [f"worker-{i}" for i in range(500)]
+    for t in range(3):  # trainer i completes i + 1 functions a second
+        timeline.record(1000.0 + t, [], {}, {n: TrainerCounts(t * (i + 1), 0, 0) for i, n in enumerate(names)})
+    durations = {n: [0.001 * (i + 1), 0.002 * (i + 1)] for i, n in enumerate(names)}  # trainer i: i+1, 2(i+1) ms
+    for n, seconds in durations.items():
+        for x in seconds:
+            timeline.function_ran(n, x)
+    page.update(timeline)
+    data = page.functions.source.data
+    assert sorted(k for k in data if k != "time") == ["fastest trainer", "mean per trainer", "slowest trainer"]
+    assert list(data["mean per trainer"]) == [250.5, 250.5]  # (1 + ... + 500) / 500
+    assert list(data["slowest trainer"]) == [1.0, 1.0] and list(data["fastest trainer"]) == [500.0, 500.0]
+    bars = page.durations.source.data
+    assert bars["category"][0] == "all 500 trainers" and len(bars["category"]) == 40
+    every = np.concatenate([np.array(v) for v in durations.values()]) * 1000
+    assert bars["p99"][0] == round(float(np.percentile(every, 99)), 3)
+    assert sorted(bars["category"][1:]) == sorted(f"worker-{i}" for i in range(461, 500))
+    assert bars["category"][1:] == sorted(bars["category"][1:])  # in name order: a steady layout
+    i = bars["category"].index("worker-499")
+    assert bars["p50"][i] == round(float(np.percentile([500.0, 1000.0], 50)), 3)
+
+    few, small = Timeline(), TrainersPage()  # 16 trainers: a line each, as before
+    for t in range(2):
+        few.record(1000.0 + t, [], {}, {f"worker-{i}": TrainerCounts(t * 3, 0, 0) for i in range(16)})
+    small.update(few)
+    assert sorted(k for k in small.functions.source.data if k != "time") == sorted(f"worker-{i}" for i in range(16))
+
+
 def test_servers_of_two_strategies_keep_their_own_lines():
     """Each strategy numbers its servers from 0: with two on one scheduler, their lines stay apart."""
     from daskps.scheduler.timeline import Timeline
