@@ -215,12 +215,15 @@ def measure_recovery(trainers: int, servers: int, per_trainer: int, work_us: flo
                 n = max(1000, per_trainer * trainers)
                 t0 = time.perf_counter()
                 remotes = [coordinator.schedule(step, args=(i,)) for i in range(n)]
-                while coordinator.summary()["done"] < 2 * trainers + n // 3:
+                deadline = time.monotonic() + 600
+                while coordinator.summary()["done"] < 2 * trainers + n // 3 and time.monotonic() < deadline:
                     time.sleep(0.005)
                 before = (coordinator.summary()["done"] - 2 * trainers) / (time.perf_counter() - t0)
                 os.kill(pid, signal.SIGKILL)
-                killed = time.perf_counter()
+                killed, deadline = time.perf_counter(), time.monotonic() + 600
                 while not coordinator.recoveries:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"no recovery 10 minutes after the kill: {coordinator.summary()}")
                     time.sleep(0.01)
                 recovered = time.perf_counter() - killed
                 done_at_recovery = coordinator.summary()["done"]

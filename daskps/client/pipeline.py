@@ -60,6 +60,9 @@ class Pipeline:
         self.reported_early: set[int] = set()  # eager functions already reported
         self.held_since: int | None = None  # the step when the oldest pending push was queued
         self.reads = StaleReads()  # this batch's steps and the values they read (bounded staleness)
+        # The generation of re-created servers the running function knew as it began (None: not known):
+        # it reaches those servers, even where this process learns of newer ones while it runs.
+        self.generation: int | None = None
 
     def defer(self, server: Any, op: ops.Op, merge: bool = False) -> None:
         """Hold ``op`` for ``server``; its arrays are copied now (the caller may reuse its buffers).

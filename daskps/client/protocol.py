@@ -25,6 +25,7 @@ import numpy as np
 from daskps._core.ckpt_io import RestoreSpec, Written
 from daskps._core.transforms import Transform
 from daskps.client import pipeline
+from daskps.client.group import key_generation
 from daskps.client.routing import HOLDER, LOCAL, ROUTES, ServerRef
 from daskps.client.transport import CHANNELS, LOCAL_SERVER, Answers, pool_transport, transport_here
 from daskps.errors import PartlyAppliedError
@@ -73,10 +74,26 @@ def _owner(targets: Iterable[Target | None]) -> Owner | None:
     return found
 
 
+def _route(server: ServerRef, known: int | None) -> ServerRef:
+    """Where a call to ``server`` goes: the server that replaced it, if any, unless that one is newer than
+    the generation ``known`` to the scheduled function running here.
+
+    A function runs against the servers it knew as it began (the coordinator counts its updates as made
+    there: lost with a lost server, or kept by its replacement). Where several trainers share a process
+    (thread workers) one of them may learn of a re-created server while another's function runs; that
+    function keeps to the old server, and fails and runs again if it was lost.
+    """
+    new = ROUTES.current(server)
+    if new is server or known is None or key_generation(new.actor_key) <= known:
+        return new
+    return server
+
+
 def _send(calls: Sequence[Call], owner: Owner | None, held: dict[ServerRef, list[ops.Op]]) -> list[Result]:
     """One message per server: its ``held`` pushes first, then its calls; results of ``calls`` in order."""
     if ROUTES.moved:
-        calls = [(ROUTES.current(s), op) for s, op in calls]
+        pipe = pipeline.current()
+        calls = [(_route(s, None if pipe is None else pipe.generation), op) for s, op in calls]
     if ROUTES.holds:
         ROUTES.wait_for_holds({s for s, _ in calls})
     batches = dict(held)

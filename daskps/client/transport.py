@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import time
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -209,6 +210,9 @@ def pool_transport(pool: Any) -> DaskTransport:
 # -- direct channels ------------------------------------------------------------------------
 # Seconds to wait for Dask's account of a server whose channel failed.
 LOST_PROBE = 1.0
+# Seconds a probe's finding that a server is gone stands, for this process's next failures on it.
+FOUND_GONE_STANDS = 10.0
+_FOUND_GONE: dict[str, float] = {}  # actor key -> when a probe here found the server gone
 
 
 class Channels:
@@ -297,19 +301,24 @@ def _lost(server: ServerRef, owner: Any, exc: OSError) -> BaseException:
 
     Briefly (``LOST_PROBE`` seconds): Dask retries a refused connection
     until its connect timeout, and a dead server should be reported at once.
-    Not at all for a server this process already found gone, or knows was
-    re-created elsewhere: every thread whose held pushes still name it fails
-    here, one after another under the channel's lock (64 trainers of one
-    process waited a second each, a minute in all, after a recovery).
+    Not at all for a server this process knows was re-created elsewhere, or
+    that a probe here found gone in the last ``FOUND_GONE_STANDS`` seconds:
+    every thread whose held pushes still name it fails here, one after
+    another under the channel's lock (64 trainers of one process waited a
+    second each, a minute in all, after a recovery). An older finding is
+    checked again (a probe that timed out may have met a busy server).
     """
-    if server.actor_key in ROUTES.gone or server.actor_key in ROUTES.moved:
+    found = _FOUND_GONE.get(server.actor_key)
+    if server.actor_key in ROUTES.moved or (found is not None and time.monotonic() - found < FOUND_GONE_STANDS):
         return ROUTES.unavailable(server, "was found gone earlier", exc)
     try:
         reason = transport_here(owner).run_each({server: [ops.Stats()]}, LOST_PROBE)[server]
     except Exception:
         reason = None
+    if isinstance(reason, list):  # it answers Dask: only the channel broke
+        _FOUND_GONE.pop(server.actor_key, None)
+        return ROUTES.unavailable(server, "dropped its channel", exc, gone=False)
+    _FOUND_GONE[server.actor_key] = time.monotonic()
     if isinstance(reason, PSUnavailableError):
         return reason
-    if isinstance(reason, list):  # it answers Dask: only the channel broke
-        return ROUTES.unavailable(server, "dropped its channel", exc, gone=False)
     return ROUTES.unavailable(server, "cannot be reached: its worker died or is cut off", exc)

@@ -59,10 +59,6 @@ class DaskParameterServer(ParameterServer):
                                                        self._lock)
             weakref.finalize(self, close)
 
-    def channel_address(self) -> str | None:
-        """``.channel``, as a method: a caller can ask many servers at once (a method call does not block)."""
-        return self.channel
-
     def handle(self, message: Message) -> Serialized:
         with self._lock:
             answer = serialized(self.execute(message))

@@ -83,7 +83,7 @@ def run_batch_here(strategy_blob: bytes, topic: str, batch_key: str, batch: byte
                 break
             # With staleness, reported at once; the batch's last function waits for every push.
             pipe.start(cid, staleness, eager=bool(staleness) and i + 1 < len(closures))
-            generation = generation_known(strategy.token)
+            generation = pipe.generation = generation_known(strategy.token)
             started = time.perf_counter()
             with running_function(cid):
                 status, payload, value = _run_one(strategy, blob)

@@ -309,37 +309,44 @@ class TrainersPage(Page):
         self.durations = BarFigure("Function durations, latest 2,000 per trainer: percentiles", "milliseconds",
                                    ["p50", "p90", "p99"])
         self.failures = SeriesFigure("Failed and re-run functions (all strategies)", "functions")
+        # Whether the trainers ever numbered more than TRAINER_LINES: decided on the whole history a page
+        # first gets, and kept, so that trainers joining one by one leave no lines of their own behind.
+        self.many = False
 
     def roots(self) -> list[Any]:
         return [self.functions.figure, self.durations.figure, self.failures.figure]
 
+    def update(self, timeline: Timeline) -> None:
+        self.many = self.many or any(len(t.trainers) > TRAINER_LINES for t in list(timeline.ticks))
+        super().update(timeline)
+
     def tick(self, previous: Tick, tick: Tick) -> None:
-        self.functions.add(tick.time, trainer_lines(_rates(previous, tick, lambda t: {w: float(c.completed)
-                                                                                     for w, c in t.trainers.items()})))
+        rates = _rates(previous, tick, lambda t: {w: float(c.completed) for w, c in t.trainers.items()})
+        self.functions.add(tick.time, trainer_lines(rates) if self.many else rates)
         self.failures.add(tick.time, {  # the coordinators' counts, as /metrics' functions_failed and _rerun
             "failed": float(sum(s.get("failed", 0) for s in tick.coordinators.values())),
             "re-run": float(sum(s.get("rerun", 0) for s in tick.coordinators.values())),
         })
 
     def refresh(self, timeline: Timeline) -> None:
-        rows = []
+        rows, arrays = [], []
         for trainer, seconds in sorted(timeline.durations.items()):
             if seconds:
-                p = np.percentile(np.fromiter(seconds, float), [50, 90, 99]) * 1000
+                arrays.append(np.fromiter(seconds, float))
+                p = np.percentile(arrays[-1], [50, 90, 99]) * 1000
                 rows.append((trainer, PALETTE[0], [float(x) for x in p]))
         if len(rows) > MOST_BARS:  # the slowest (by p99), in name order, after all of them together
-            every = np.concatenate([np.fromiter(s, float) for s in timeline.durations.values() if s])
             slowest = sorted(sorted(rows, key=lambda r: -r[2][2])[:MOST_BARS - 1], key=lambda r: r[0])
-            whole = [float(x) for x in np.percentile(every, [50, 90, 99]) * 1000]
-            rows = [(f"all {len(rows)} trainers", PALETTE[1], whole), *slowest]
+            whole = [float(x) for x in np.percentile(np.concatenate(arrays), [50, 90, 99]) * 1000]
+            rows = [(f"all {len(rows)} trainers", PALETTE[0], whole), *slowest]
         self.durations.show(rows)
 
 
 def trainer_lines(rates: dict[str, float]) -> dict[str, float]:
-    """The lines of the functions-per-second plot: one per trainer, or past :data:`TRAINER_LINES` trainers
-    their mean, the slowest and the fastest."""
-    if len(rates) <= TRAINER_LINES:
-        return rates
+    """The lines of the functions-per-second plot past :data:`TRAINER_LINES` trainers: their mean, the
+    slowest and the fastest (none without rates)."""
+    if not rates:
+        return {}
     values = list(rates.values())
     return {"mean per trainer": sum(values) / len(values), "slowest trainer": min(values),
             "fastest trainer": max(values)}

@@ -177,6 +177,13 @@ def test_the_trainers_page_of_500_trainers_draws_a_few_lines_and_the_slowest_tra
     small.update(few)
     assert sorted(k for k in small.functions.source.data if k != "time") == sorted(f"worker-{i}" for i in range(16))
 
+    joining, page = Timeline(), TrainersPage()  # trainers joining one by one, 40 in the end: three lines only
+    for t in range(40):
+        joining.record(1000.0 + t, [], {}, {f"worker-{i}": TrainerCounts(t, 0, 0) for i in range(t + 1)})
+    page.update(joining)
+    assert sorted(k for k in page.functions.source.data if k != "time") == [
+        "fastest trainer", "mean per trainer", "slowest trainer"]
+
 
 def test_servers_of_two_strategies_keep_their_own_lines():
     """Each strategy numbers its servers from 0: with two on one scheduler, their lines stay apart."""
