@@ -74,7 +74,7 @@ def _owner(targets: Iterable[Target | None]) -> Owner | None:
     return found
 
 
-def _route(server: ServerRef, known: int | None) -> ServerRef:
+def route(server: ServerRef, known: int | None) -> ServerRef:
     """Where a call to ``server`` goes: the server that replaced it, if any, unless that one is newer than
     the generation ``known`` to the scheduled function running here.
 
@@ -93,7 +93,7 @@ def _send(calls: Sequence[Call], owner: Owner | None, held: dict[ServerRef, list
     """One message per server: its ``held`` pushes first, then its calls; results of ``calls`` in order."""
     if ROUTES.moved:
         pipe = pipeline.current()
-        calls = [(_route(s, None if pipe is None else pipe.generation), op) for s, op in calls]
+        calls = [(route(s, None if pipe is None else pipe.generation), op) for s, op in calls]
     if ROUTES.holds:
         ROUTES.wait_for_holds({s for s, _ in calls})
     batches = dict(held)

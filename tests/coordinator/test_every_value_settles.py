@@ -404,7 +404,9 @@ def test_an_interrupted_read_leaves_the_channel_in_step(strategy, client, monkey
     old = signal.signal(signal.SIGUSR1, _interrupt)
     timer = threading.Thread(target=interrupt, daemon=True)
     os.kill(pid, signal.SIGSTOP)
-    try:
+    try:  # a signal is taken when its process next runs: on a loaded machine, a moment later
+        wait_until(lambda: _state(pid) == "T", 30, failure=lambda: f"server state {_state(pid)!r} after SIGSTOP",
+                   interval=0.01, collect=False)
         timer.start()
         with pytest.raises(KeyboardInterrupt):  # Ctrl-C in a notebook during a read
             a.numpy()

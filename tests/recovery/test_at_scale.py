@@ -171,13 +171,13 @@ def test_a_function_keeps_to_the_servers_it_knew_as_it_began():
     new = ServerRef("tcp://127.0.0.1:2", server_key(0, "0123456789abcdef", generation=1), 0)
     ROUTES.moved[old.actor_key] = new
     try:
-        assert protocol._route(old, None) == new  # outside a scheduled function: the coordinator's calls
+        assert protocol.route(old, None) == new  # outside a scheduled function: the coordinator's calls
         with pipeline.pipelined() as pipe:
             pipe.generation = 0
-            assert protocol._route(old, pipe.generation) == old
+            assert protocol.route(old, pipe.generation) == old
             pipe.generation = 1
-            assert protocol._route(old, pipe.generation) == new
+            assert protocol.route(old, pipe.generation) == new
         other = ServerRef("tcp://127.0.0.1:3", server_key(1, "0123456789abcdef"), 1)
-        assert protocol._route(other, 0) == other  # not moved
+        assert protocol.route(other, 0) == other  # not moved
     finally:
         del ROUTES.moved[old.actor_key]
