@@ -396,10 +396,14 @@ def test_an_interrupted_read_leaves_the_channel_in_step(strategy, client, monkey
     if pid == os.getpid():  # workers as threads of this process (DASKPS_TEST_THREAD_WORKERS=1, mutmut)
         pytest.skip("the server runs in this process: stopping it would stop the test")
 
+    me = threading.get_ident()
+
     def interrupt():
         if waiting.wait(30):
             landed["server stopped"] = _state(pid) == "T"
-            os.kill(os.getpid(), signal.SIGUSR1)
+            # To this thread, blocked in the read: a signal sent to the process may be taken by another
+            # thread, and the read would go on waiting for the stopped server (a hang under load).
+            signal.pthread_kill(me, signal.SIGUSR1)
 
     old = signal.signal(signal.SIGUSR1, _interrupt)
     timer = threading.Thread(target=interrupt, daemon=True)
