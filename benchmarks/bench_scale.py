@@ -98,6 +98,29 @@ class Cluster:
                 proc.kill()
 
 
+def _step(vs: list, push, work_us: float, sleep_ms: float):
+    """The scheduled function: function ``i`` reads variable ``i`` (mod their number), pushes a gradient to
+    it with ``push(gradient, variable)``, spins ``work_us`` and sleeps ``sleep_ms``."""
+    grad = np.full(64, 0.001, np.float32)
+
+    def step(i):
+        v = vs[i % len(vs)]
+        v.read_value()
+        push(grad, v)
+        _spin(work_us)
+        if sleep_ms:
+            time.sleep(sleep_ms / 1000)  # the rest of a step off this machine's cores
+
+    return step
+
+
+def _warm(coordinator, step, trainers: int) -> None:
+    """Two functions per trainer, so that every trainer has run something (imports, connections)."""
+    for i in range(2 * trainers):
+        coordinator.schedule(step, args=(i,))
+    coordinator.join()
+
+
 def _cpu(procs: list[psutil.Process]) -> float:
     total = 0.0
     for p in procs:
@@ -122,19 +145,8 @@ def measure(trainers: int, servers: int, per_trainer: int, work_us: float, idle_
                 with strategy.scope():
                     vs = [dps.Variable(np.zeros(64, np.float32), name=f"scale_{i}") for i in range(servers)]
                     opt = dps.optimizers.SGD(0.01)
-                grad = np.full(64, 0.001, np.float32)
-
-                def step(i):
-                    v = vs[i % len(vs)]
-                    v.read_value()
-                    opt.apply_gradients([(grad, v)])
-                    _spin(work_us)
-                    if sleep_ms:
-                        time.sleep(sleep_ms / 1000)  # the rest of a step off this machine's cores
-
-                for i in range(2 * trainers):  # every trainer has run something: imports, connections
-                    coordinator.schedule(step, args=(i,))
-                coordinator.join()
+                step = _step(vs, lambda g, v: opt.apply_gradients([(g, v)]), work_us, sleep_ms)
+                _warm(coordinator, step, trainers)
                 trainer_addresses = set(strategy.cluster_resolver.cluster_spec()["worker"])
                 groups = {"coordinator": me, "scheduler": sched, "trainers": cluster.hosts["worker"],
                           "servers": cluster.hosts["ps"]}
@@ -196,19 +208,8 @@ def measure_recovery(trainers: int, servers: int, per_trainer: int, work_us: flo
                 manager = dps.CheckpointManager(dps.Checkpoint(**{f"v{i}": v for i, v in enumerate(vs)}),
                                                 os.path.join(tmp, "ckpt"))
                 coordinator = dps.ClusterCoordinator(strategy, checkpoint_manager=manager)
-                grad = np.full(64, 0.001, np.float32)
-
-                def step(i):
-                    v = vs[i % len(vs)]
-                    v.read_value()
-                    v.assign_sub(grad)
-                    _spin(work_us)
-                    if sleep_ms:
-                        time.sleep(sleep_ms / 1000)
-
-                for i in range(2 * trainers):
-                    coordinator.schedule(step, args=(i,))
-                coordinator.join()
+                step = _step(vs, lambda g, v: v.assign_sub(g), work_us, sleep_ms)
+                _warm(coordinator, step, trainers)
                 manager.save()
                 ps0 = strategy.servers[0].address
                 pid = client.run(os.getpid, workers=[ps0])[ps0]

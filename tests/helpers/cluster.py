@@ -177,18 +177,31 @@ def dask_cli_cluster(tmp_path, resources, scheduler_args=(), worker_env=None, sc
         for resource in resources:
             flag = [] if isinstance(resource, dict) else ["--resources", resource]
             own = resource if isinstance(resource, dict) else {}
-            procs.append(_start(["distributed.cli.dask_worker", address, "--host", "127.0.0.1",
-                                 "--nthreads", "1", *flag, "--no-dashboard",
-                                 "--dashboard-address", "127.0.0.1:0"],  # its HTTP server stays up
-                                {**env, **(worker_env or {}), **own}))
+            procs.append(start_dask_worker(address, {**env, **(worker_env or {}), **own}, *flag))
         with Client(address) as client:
             client.wait_for_workers(len(resources), timeout=60)
             yield client
     finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
+        stop_processes(procs)
+
+
+def start_dask_worker(address: str, env, *args: str, stderr=subprocess.DEVNULL) -> subprocess.Popen:
+    """``dask worker`` (with its Nanny) on 127.0.0.1, one thread, ``args`` added (``--resources``, ``--name``)."""
+    return subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", address, "--host", "127.0.0.1",
+                             "--nthreads", "1", *args, "--no-dashboard",
+                             "--dashboard-address", "127.0.0.1:0"],  # its HTTP server stays up
+                            env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+
+
+def stop_processes(procs: list) -> None:
+    """Terminate ``procs`` (the last started first), killing any that has not ended 30 s later."""
+    for p in reversed(procs):
+        p.terminate()
+    for p in procs:
+        try:
             p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
 
 
 class PickySGD(NamedTuple):

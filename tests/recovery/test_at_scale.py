@@ -26,6 +26,8 @@ import daskps as dps
 from daskps.client.group import generation_known
 from tests.helpers.cluster import (
     start_dask_scheduler,
+    start_dask_worker,
+    stop_processes,
     wait_done,
     wait_for_recovery,
     worker_address,
@@ -70,11 +72,8 @@ def many_trainers(tmp_path):
     try:
         address = start_dask_scheduler(tmp_path, procs, env)
         for name in ("ps-0", "ps-1"):
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "distributed.cli.dask_worker", address, "--host", "127.0.0.1",
-                 "--nthreads", "1", "--resources", "ps=1", "--name", name, "--no-dashboard",
-                 "--dashboard-address", "127.0.0.1:0"], env=env, stdout=subprocess.DEVNULL,
-                stderr=open(tmp_path / f"{name}.log", "w")))
+            procs.append(start_dask_worker(address, env, "--resources", "ps=1", "--name", name,
+                                           stderr=open(tmp_path / f"{name}.log", "w")))
         procs.append(subprocess.Popen(
             [sys.executable, str(ROOT / "benchmarks" / "_scale_host.py"), str(tmp_path / "scheduler.json"), "worker",
              "0", str(TRAINERS)], env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "trainers.log", "w")))
@@ -84,13 +83,7 @@ def many_trainers(tmp_path):
             client.wait_for_workers(TRAINERS + 2, timeout=120)
             yield client
     finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs)
 
 
 @pytest.mark.cluster
